@@ -1,0 +1,168 @@
+"""The embedded API: load a model in-process and embed or score with it.
+
+    engine = florist.Engine.from_pretrained()          # all-MiniLM-L6-v2 from its wheel
+    engine.embed(["a text", "another"])                # -> np.ndarray [2, 384] float32
+    scorer = florist.Engine.from_pretrained(path_to_cross_encoder)
+    scorer.score("query", ["doc 1", "doc 2"])          # -> np.ndarray [2]
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from florist.config import Task
+from florist.engine.batch import HostBatch
+from florist.engine.lazy import LazyTensor
+from florist.engine.model_dir import ModelDir, read_model_dir
+from florist.engine.output import Encoding, check_output_options, finalize_embeddings, finalize_scores
+from florist.engine.runner import ModelRunner, resolve_device, resolve_dtype
+from florist.text import InputError, TextProcessor
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a client needs to know about the served model (the gRPC `Info` and HTTP `/info`)."""
+
+    model_name: str
+    model_path: str
+    family: str
+    task: str
+    dimensions: int
+    max_input_tokens: int
+    vocab_size: int
+    dtype: str
+    device: str
+    pooling: tuple[str, ...]
+    normalize: bool
+    prompts: dict[str, str]
+    default_prompt_name: str | None
+    score_activation: str
+    native_int8: bool
+    tokenizer: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _output_dim(md: ModelDir) -> int:
+    p = md.pipeline
+    if p.task == "score":
+        return max(md.config.num_labels, 1)
+    if p.dense:
+        return p.dense[-1].out_features
+    return md.config.hidden_size * len(p.pooling)
+
+
+class Engine:
+    """Tokenize, batch by length, run on the device, restore order, finish on the host."""
+
+    def __init__(self, model_dir: ModelDir, runner: ModelRunner, max_batch_tokens: int = 16384):
+        self.model_dir, self.runner = model_dir, runner
+        self.text = TextProcessor(str(model_dir.tokenizer_file), model_dir.config, model_dir.pipeline)
+        self.max_batch_tokens = max_batch_tokens
+        p = model_dir.pipeline
+        self.info = ModelInfo(
+            model_name=model_dir.name,
+            model_path=str(model_dir.path),
+            family=model_dir.config.family,
+            task=p.task,
+            dimensions=_output_dim(model_dir),
+            max_input_tokens=p.max_seq_length,
+            vocab_size=model_dir.config.vocab_size,
+            dtype=str(runner.dtype).removeprefix("torch."),
+            device=str(runner.device),
+            pooling=p.pooling if p.task == "embed" else (),
+            normalize=p.normalize,
+            prompts=p.prompt_dict,
+            default_prompt_name=p.default_prompt_name,
+            score_activation=p.score_activation,
+            native_int8=p.native_quantization,
+            tokenizer=str(model_dir.tokenizer_file),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, task: Task | None = None, attention_backend: str | None = None, max_batch_tokens: int = 16384) -> "Engine":
+        """Load a model directory (None: the default all-MiniLM-L6-v2). Never downloads."""
+        md = read_model_dir(path, task)
+        if md.pipeline.task == "generate":
+            raise InputError(f"{md.path} is a causal LM; text generation is not available in this build. Pass task='score' if it is a Qwen3 reranker")
+        dev = resolve_device(device)
+        return cls(md, ModelRunner(md, dev, resolve_dtype(dtype, dev), attention_backend), max_batch_tokens)
+
+    # -- public API ----------------------------------------------------------------------------
+    def tokenize(self, texts: Sequence[str], *, prompt_name: str | None = None, prompt: str | None = None, truncate: bool = False) -> list[list[int]]:
+        prompt_text = self.text.resolve_prompt(prompt_name, prompt)
+        return [ids.tolist() for ids in self.text.encode(_as_list(texts), prompt=prompt_text, truncate=truncate)]
+
+    def embed(self, texts: Sequence[str] | Sequence[Sequence[int]] | str, *, prompt_name: str | None = None, prompt: str | None = None, dimensions: int | None = None, normalize: bool | None = None, encoding: Encoding = "float", truncate: bool = False) -> np.ndarray:
+        """Embeddings [N, D]: float32, or int8 / uint8 for the packed encodings."""
+        self._require("embed")
+        check_output_options(self.info.dimensions, dimensions, encoding, self.info.native_int8)
+        prompt_text = self.text.resolve_prompt(prompt_name, prompt)
+        ids = self.text.encode(_as_list(texts), prompt=prompt_text, truncate=truncate)
+        vectors = self.run(ids)
+        if normalize is None:
+            normalize = self.model_dir.pipeline.normalize
+        return finalize_embeddings(vectors, dimensions=dimensions, normalize=normalize, encoding=encoding)
+
+    def score(self, query: str, documents: Sequence[str], *, truncate: bool = False, raw: bool = False, instruction: str | None = None) -> np.ndarray:
+        """Relevance of each document to the query: [N] (or [N, labels] for multi-label heads)."""
+        self._require("score")
+        ids, first = self.text.encode_pairs(query, _as_list(documents), truncate=truncate, instruction=instruction)
+        return finalize_scores(self.run(ids, first), self.info.score_activation, raw=raw)
+
+    def step(self, batch: HostBatch) -> LazyTensor:
+        """Launch one batch and return at once; the output stays on its way to the host."""
+        return self.runner.step(batch)
+
+    # -- batching ------------------------------------------------------------------------------
+    def run(self, ids: list[np.ndarray], first_segment_lens: list[int] | None = None) -> np.ndarray:
+        """Model output for each sequence, in input order. Sequences are grouped by length so
+        batches are dense; batch N+1 is launched before batch N is waited on."""
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        out: np.ndarray | None = None
+        pending: list[tuple[list[int], LazyTensor]] = []
+        for chunk in _chunks(order, [len(x) for x in ids], self.max_batch_tokens):
+            types = [first_segment_lens[i] for i in chunk] if first_segment_lens is not None else None
+            pending.append((chunk, self.step(HostBatch.from_sequences([ids[i] for i in chunk], types))))
+            if len(pending) > 1:
+                out = _scatter(out, *pending.pop(0), len(ids))
+        for chunk, lazy in pending:
+            out = _scatter(out, chunk, lazy, len(ids))
+        assert out is not None
+        return out
+
+    def _require(self, task: str) -> None:
+        if self.info.task != task:
+            what = {"embed": "an embedding model", "score": "a cross-encoder or reranker"}[task]
+            raise InputError(f"{task} needs {what}; {self.info.model_name} is loaded for {self.info.task}")
+
+
+def _as_list(x):
+    return [x] if isinstance(x, str) else x
+
+
+def _chunks(order: list[int], lens: list[int], budget: int):
+    chunk: list[int] = []
+    tokens = 0
+    for i in order:
+        if chunk and tokens + lens[i] > budget:
+            yield chunk
+            chunk, tokens = [], 0
+        chunk.append(i)
+        tokens += lens[i]
+    if chunk:
+        yield chunk
+
+
+def _scatter(out: np.ndarray | None, chunk: list[int], lazy: LazyTensor, n: int) -> np.ndarray:
+    rows = lazy.numpy()
+    if out is None:
+        out = np.empty((n, *rows.shape[1:]), dtype=np.float32)
+    out[chunk] = rows
+    return out

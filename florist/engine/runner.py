@@ -1,0 +1,73 @@
+"""The model runner: everything that touches the device.
+
+Builds the model for the directory's task on the chosen device and dtype, loads and checks its
+weights, and runs batches: `step(host_batch)` launches and returns a `LazyTensor` at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from florist.engine.batch import HostBatch, RaggedBatch, to_device
+from florist.engine.lazy import LazyTensor
+from florist.engine.loader import check_complete, iter_tensors, load_weights, safetensors_files
+from florist.engine.model_dir import ModelDir
+from florist.layers.attention import select_backend
+from florist.models import ModelBundle, build_model
+from florist.models.base import WeightMap
+
+_DENSE_MAP = WeightMap(default_prefix="")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} was asked for but CUDA is not available; use device='cpu'")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+        if dtype not in names:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(names)}")
+        return names[dtype]
+    return dtype
+
+
+class ModelRunner:
+    def __init__(self, model_dir: ModelDir, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None):
+        self.model_dir, self.device, self.dtype = model_dir, device, dtype
+        backend = select_backend(attention_backend, device)
+        previous = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(dtype)
+            with torch.device(device):
+                self.model: ModelBundle = build_model(model_dir.config, model_dir.pipeline, backend)
+        finally:
+            torch.set_default_dtype(previous)
+        self._load()
+        self.model.eval()
+
+    def _load(self) -> None:
+        loaded = load_weights(self.model, iter_tensors(safetensors_files(self.model_dir.path)), self.model.weight_map)
+        for k, dense in enumerate(self.model_dir.pipeline.dense):
+            from pathlib import Path
+
+            files = sorted(Path(dense.path).glob("*.safetensors"))
+            loaded |= load_weights(self.model, iter_tensors(files), _DENSE_MAP, prefix=f"head.dense.{k}.")
+        check_complete(self.model, loaded)
+
+    @torch.inference_mode()
+    def forward(self, batch: RaggedBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    @torch.inference_mode()
+    def step(self, host: HostBatch) -> LazyTensor:
+        """Launch one batch; returns at once (on CUDA) with the output still in flight."""
+        batch = to_device(host, self.device, pin=self.device.type == "cuda")
+        return LazyTensor.from_device(self.forward(batch))

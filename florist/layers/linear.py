@@ -1,0 +1,103 @@
+"""Linear layers named after how they shard over the tensor-parallel group.
+
+Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies its rank's
+shard of a checkpoint tensor into place, so the weight loader never needs to know the sharding.
+
+    ColumnParallelLinear      W[out, in] split along out: rank r owns rows [r*out/tp, (r+1)*out/tp)
+    MergedColumnParallelLinear several column-parallel outputs fused into one matmul (gate|up)
+    QKVParallelLinear         q|k|v fused; each rank owns whole heads of each
+    RowParallelLinear         W[out, in] split along in; outputs all-reduced, bias added once
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from florist.distributed import all_reduce, tp_rank, tp_size
+
+
+def _divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_rank, self.tp_size, self.tp_dim = tp_rank(), tp_size(), tp_dim
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if self.tp_dim is not None and loaded.dim() > self.tp_dim and self.tp_size > 1:
+            size = param.shape[self.tp_dim]
+            loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
+        _copy_checked(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit a parameter of shape {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, _divide(output_size, tp_size()), bias, tp_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Column-parallel outputs `output_sizes` stacked in one weight; shard_id indexes them."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        dst = param.data.narrow(0, offset, size)
+        _copy_checked(dst, loaded.chunk(self.tp_size, 0)[self.tp_rank] if self.tp_size > 1 else loaded)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; shard_id is "q", "k" or "v"."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False):
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(total_num_heads, tp)
+        self.num_kv_heads = _divide(total_num_kv_heads, tp)
+        super().__init__(hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        dst = param.data.narrow(0, offset, size)
+        _copy_checked(dst, loaded.chunk(self.tp_size, 0)[self.tp_rank] if self.tp_size > 1 else loaded)
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(_divide(input_size, tp_size()), output_size, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added on one rank only, so the all-reduce adds it exactly once.
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return all_reduce(y) if self.tp_size > 1 else y

@@ -1,0 +1,76 @@
+"""Pooling over a ragged batch, the sentence-transformers Dense module, and normalisation.
+
+Pooled vectors of several modes are concatenated in sentence-transformers' order
+(cls, max, mean, mean_sqrt_len, lasttoken), as its `Pooling` module does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from florist.config import DenseConfig, PoolingMode
+from florist.engine.batch import RaggedBatch
+from florist.layers.linear import ReplicatedLinear
+
+POOLING_ORDER: tuple[PoolingMode, ...] = ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")
+
+
+def _segment_sum(hidden: torch.Tensor, batch: RaggedBatch, num_seqs: int) -> torch.Tensor:
+    out = torch.zeros(num_seqs, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, batch.seq_ids.long(), hidden.float())
+
+
+def pool(hidden: torch.Tensor, batch: RaggedBatch, mode: PoolingMode) -> torch.Tensor:
+    """hidden [T, H] -> [B, H] (fp32). Tokens whose seq_id is >= B (padding) are ignored."""
+    b = batch.num_seqs
+    cu = batch.cu_seqlens.long()
+    if mode == "cls":
+        return hidden[cu[:-1]].float()
+    if mode == "lasttoken":
+        return hidden[cu[1:] - 1].float()
+    lens = (cu[1:] - cu[:-1]).clamp(min=1).float().unsqueeze(1)
+    if mode == "mean":
+        return _segment_sum(hidden, batch, b + 1)[:b] / lens
+    if mode == "mean_sqrt_len":
+        return _segment_sum(hidden, batch, b + 1)[:b] / lens.sqrt()
+    if mode == "max":
+        out = torch.full((b + 1, hidden.shape[1]), float("-inf"), dtype=torch.float32, device=hidden.device)
+        idx = batch.seq_ids.long().unsqueeze(1).expand(-1, hidden.shape[1])
+        return out.scatter_reduce_(0, idx, hidden.float(), reduce="amax", include_self=True)[:b]
+    raise ValueError(f"unknown pooling mode {mode!r}")
+
+
+_DENSE_ACTIVATIONS = {"identity": lambda x: x, "tanh": torch.tanh, "relu": F.relu, "sigmoid": torch.sigmoid, "gelu": F.gelu}
+
+
+class Dense(nn.Module):
+    def __init__(self, cfg: DenseConfig):
+        super().__init__()
+        if cfg.activation not in _DENSE_ACTIVATIONS:
+            raise ValueError(f"Dense activation {cfg.activation!r} is not supported")
+        self.linear = ReplicatedLinear(cfg.in_features, cfg.out_features, bias=cfg.bias)
+        self.act = _DENSE_ACTIVATIONS[cfg.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.linear(x.to(self.linear.weight.dtype)).float())
+
+
+class EmbeddingHead(nn.Module):
+    """hidden [T, H] -> embeddings [B, D] fp32: pool (modes concatenated), Dense..., normalise."""
+
+    def __init__(self, modes: tuple[PoolingMode, ...], dense: tuple[DenseConfig, ...], normalize: bool):
+        super().__init__()
+        self.modes = tuple(m for m in POOLING_ORDER if m in modes)
+        self.dense = nn.ModuleList(Dense(d) for d in dense)
+        self.normalize = normalize
+
+    def forward(self, hidden: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
+        pooled = [pool(hidden, batch, m) for m in self.modes]
+        x = pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=-1)
+        for layer in self.dense:
+            x = layer(x)
+        if self.normalize:
+            x = F.normalize(x, p=2.0, dim=-1)
+        return x

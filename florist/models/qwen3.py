@@ -1,0 +1,136 @@
+"""Qwen3 backbones: Qwen3-Embedding (causal, last-token pooling), pplx-embed (bidirectional,
+mean pooling) and the Qwen3-Reranker (causal; score read from the "yes"/"no" logits).
+
+Pre-RMSNorm decoder layers with QK-norm and rotary positions, a SwiGLU MLP.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from florist.config import ModelConfig
+from florist.engine.batch import RaggedBatch
+from florist.layers.activation import silu_and_mul
+from florist.layers.attention import Attention, AttentionFn
+from florist.layers.embedding import VocabParallelEmbedding
+from florist.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from florist.layers.norm import RMSNorm
+from florist.layers.rotary import RotaryEmbedding
+from florist.models.base import WeightMap
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionFn):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.total_num_heads, cfg.total_num_kv_heads, bias=cfg.attention_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.total_num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.causal, backend)
+
+    def forward(self, x: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(batch.positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionFn):
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg, rotary, backend)
+        self.mlp = Qwen3MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: RaggedBatch):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3Model(nn.Module):
+    """Embeddings + decoder layers + final norm -> hidden states [T, H]."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionFn):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        # One rotary cache shared by every layer (a buffer, not a parameter).
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, batch: RaggedBatch) -> torch.Tensor:
+        x, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch)
+        return self.norm(x, residual)[0]
+
+
+class YesNoHead(nn.Module):
+    """Qwen3-Reranker: score logit = (w_yes - w_no) . h at the last token; only the two LM-head
+    rows are kept, so the full [vocab, H] head is never materialised."""
+
+    def __init__(self, cfg: ModelConfig, yes_id: int, no_id: int):
+        super().__init__()
+        self.token_ids = (yes_id, no_id)
+        self.weight = nn.Parameter(torch.empty(2, cfg.hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded[list(self.token_ids)])
+
+    def forward(self, hidden: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
+        last = hidden[batch.cu_seqlens[1:].long() - 1]
+        yes_no = torch.nn.functional.linear(last, self.weight).float()
+        return (yes_no[:, 0] - yes_no[:, 1]).unsqueeze(1)
+
+
+def qwen3_weight_map(cfg: ModelConfig, *, reranker: bool) -> WeightMap:
+    layer = "layers.{i}."
+    renames: dict = {
+        layer + "self_attn.q_proj.": ("model.layers.{i}.self_attn.qkv_proj.", "q"),
+        layer + "self_attn.k_proj.": ("model.layers.{i}.self_attn.qkv_proj.", "k"),
+        layer + "self_attn.v_proj.": ("model.layers.{i}.self_attn.qkv_proj.", "v"),
+        layer + "mlp.gate_proj.": ("model.layers.{i}.mlp.gate_up_proj.", 0),
+        layer + "mlp.up_proj.": ("model.layers.{i}.mlp.gate_up_proj.", 1),
+    }
+    ignore: tuple[str, ...] = ()
+    also: dict = {}
+    if reranker:
+        renames["lm_head."] = ("head.", None)
+        if cfg.tie_word_embeddings:
+            also["embed_tokens.weight"] = (("head.weight", None),)
+    else:
+        ignore = ("lm_head.",)
+    return WeightMap(strip_prefixes=("model.",), renames=renames, ignore=ignore, also=also)
+
+
+def build(cfg: ModelConfig, pipeline, backend: AttentionFn, head_for_embedding: nn.Module | None):
+    """-> (backbone, head, weight map) for the pipeline's task."""
+    if pipeline.task == "score":
+        if pipeline.reranker_token_ids is None:
+            raise ValueError("a Qwen3 reranker needs the 'yes' and 'no' token ids from its tokenizer")
+        head = YesNoHead(cfg, *pipeline.reranker_token_ids)
+        return Qwen3Model(cfg, backend), head, qwen3_weight_map(cfg, reranker=True)
+    return Qwen3Model(cfg, backend), head_for_embedding, qwen3_weight_map(cfg, reranker=False)
