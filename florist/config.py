@@ -74,7 +74,7 @@ class ModelConfig:
         model_type = hf.get("model_type", "")
         architectures = hf.get("architectures") or []
         architecture = architectures[0] if architectures else ""
-        family = MODEL_TYPE_FAMILIES.get(model_type) or ARCHITECTURE_FAMILIES.get(architecture)
+        family = MODEL_TYPE_FAMILIES.get(model_type) if model_type else ARCHITECTURE_FAMILIES.get(architecture)
         if family is None:
             supported = ", ".join(sorted(MODEL_TYPE_FAMILIES))
             raise UnsupportedModelError(

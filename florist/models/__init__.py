@@ -35,6 +35,8 @@ def build_model(cfg: ModelConfig, pipeline: PipelineConfig, backend: AttentionFn
     family = importlib.import_module(FAMILIES[cfg.family])
     embedding_head = None
     if pipeline.task == "embed":
-        embedding_head = EmbeddingHead(pipeline.pooling, pipeline.dense, pipeline.normalize)
+        # Normalisation is applied per request on the host (it may be switched off, or follow
+        # matryoshka truncation), so the head stops before it.
+        embedding_head = EmbeddingHead(pipeline.pooling, pipeline.dense, normalize=False)
     model, head, weight_map = family.build(cfg, pipeline, backend, embedding_head)
     return ModelBundle(model, head, weight_map)

@@ -1,0 +1,44 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import models as tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    import florist
+
+    return florist.Engine.from_pretrained(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def bert_dir(tmp_path_factory):
+    return tiny.make_bert_embedder(tmp_path_factory.mktemp("bert"))
+
+
+@pytest.fixture(scope="session")
+def cross_encoder_dir(tmp_path_factory):
+    return tiny.make_bert_cross_encoder(tmp_path_factory.mktemp("cross-encoder"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    return tiny.make_qwen3_embedder(tmp_path_factory.mktemp("qwen3-embedding"))
+
+
+@pytest.fixture(scope="session")
+def pplx_dir(tmp_path_factory):
+    return tiny.make_qwen3_embedder(tmp_path_factory.mktemp("pplx-embed"), bidirectional=True)
+
+
+@pytest.fixture(scope="session")
+def reranker_dir(tmp_path_factory):
+    return tiny.make_qwen3_reranker(tmp_path_factory.mktemp("qwen3-reranker"))

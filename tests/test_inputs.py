@@ -1,0 +1,144 @@
+"""Bad input gets a clear error that says what to do; nothing crashes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import florist
+from florist.config import UnsupportedModelError
+from florist.text import InputError
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda e: e.embed([]), "empty"),
+        (lambda e: e.embed([""]), "empty string"),
+        (lambda e: e.embed(["ok", 3]), "strings"),
+        (lambda e: e.embed(None), "list"),
+        (lambda e: e.embed(["word " * 600]), "takes at most 256; pass truncate=true"),
+        (lambda e: e.embed([[101, 99999999]]), "outside the vocabulary"),
+        (lambda e: e.embed([[-1, 5]]), "outside the vocabulary"),
+        (lambda e: e.embed([[]]), "non-empty"),
+        (lambda e: e.embed([[1.5, 2.0]]), "non-integer"),
+        (lambda e: e.embed(["x"], prompt_name="nope"), "unknown prompt_name"),
+        (lambda e: e.embed(["x"], dimensions=385), "between 1 and 384"),
+        (lambda e: e.embed(["x"], dimensions=0), "between 1 and 384"),
+        (lambda e: e.embed(["x"], encoding="fp8"), "unsupported encoding"),
+        (lambda e: e.embed(["x"], encoding="int8"), "no int8"),
+        (lambda e: e.embed(["x"], encoding="binary", dimensions=12), "multiple of 8"),
+        (lambda e: e.score("q", ["d"]), "score needs a cross-encoder"),
+    ],
+)
+def test_bad_input_is_a_clear_value_error(default_engine, call, message):
+    with pytest.raises(InputError, match=message):
+        call(default_engine)
+    assert default_engine.embed(["still serving"]).shape == (1, 384)
+
+
+def test_truncation_states_both_numbers_and_truncate_cuts(default_engine):
+    with pytest.raises(InputError, match=r"input 0 has \d+ tokens; the model takes at most 256"):
+        default_engine.embed(["flower " * 300])
+    assert default_engine.embed(["flower " * 300], truncate=True).shape == (1, 384)
+    ids = default_engine.tokenize(["flower " * 300], truncate=True)[0]
+    assert len(ids) == 256 and ids[0] == 101 and ids[-1] == 102  # [CLS] ... [SEP] kept
+
+
+def test_token_ids_equal_text(default_engine):
+    ids = default_engine.tokenize(["a garden of roses"])
+    np.testing.assert_allclose(default_engine.embed(ids), default_engine.embed(["a garden of roses"]), atol=1e-6)
+
+
+def test_score_bad_input(cross_encoder_dir):
+    engine = florist.Engine.from_pretrained(cross_encoder_dir, device="cpu")
+    for call, message in [
+        (lambda: engine.score("", ["d"]), "query"),
+        (lambda: engine.score("q", []), "documents"),
+        (lambda: engine.score("q", ["ok", ""]), "document 1"),
+        (lambda: engine.embed(["x"]), "embed needs an embedding model"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            call()
+
+
+def test_unservable_model_dirs(tmp_path, bert_dir):
+    with pytest.raises(UnsupportedModelError, match="does not exist"):
+        florist.Engine.from_pretrained(tmp_path / "missing")
+    broken = tmp_path / "no-tokenizer"
+    shutil.copytree(bert_dir, broken)
+    (broken / "tokenizer.json").unlink()
+    with pytest.raises(UnsupportedModelError, match="tokenizer.json"):
+        florist.Engine.from_pretrained(broken)
+    odd = tmp_path / "odd-type"
+    shutil.copytree(bert_dir, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["model_type"] = "t5"
+    (odd / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="model_type 't5'"):
+        florist.Engine.from_pretrained(odd)
+
+
+def test_missing_and_unexpected_weights_are_named(tmp_path, bert_dir):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(bert_dir / "model.safetensors"))
+    missing = tmp_path / "missing-weight"
+    shutil.copytree(bert_dir, missing)
+    save_file({k: v for k, v in weights.items() if "layer.1.attention.self.key.weight" not in k}, str(missing / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match=r"layers\.1\.qkv\.weight\[k\]"):
+        florist.Engine.from_pretrained(missing)
+    extra = tmp_path / "extra-weight"
+    shutil.copytree(bert_dir, extra)
+    save_file({**weights, "mystery.weight": torch.zeros(2)}, str(extra / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="mystery.weight"):
+        florist.Engine.from_pretrained(extra)
+
+
+def test_sharded_checkpoint_and_dense(tmp_path, bert_dir):
+    """A checkpoint split in shards with an index file, and a 2_Dense module, load and match ST."""
+    from safetensors.torch import load_file, save_file
+    from sentence_transformers import SentenceTransformer
+    import torch
+
+    path = tmp_path / "sharded-dense"
+    shutil.copytree(bert_dir, path)
+    weights = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    names = sorted(weights)
+    half = len(names) // 2
+    index = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        fname = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: weights[k] for k in part}, str(path / fname))
+        index.update({k: fname for k in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    dense = path / "2_Dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"in_features": 48, "out_features": 16, "bias": True, "activation_function": "torch.nn.modules.activation.Tanh"}))
+    g = torch.Generator().manual_seed(1)
+    save_file({"linear.weight": torch.randn(16, 48, generator=g), "linear.bias": torch.randn(16, generator=g)}, str(dense / "model.safetensors"))
+    modules = json.loads((path / "modules.json").read_text())
+    modules[-1].update(idx=3, name="3")  # Normalize moves behind the Dense module
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (path / "modules.json").write_text(json.dumps(modules))
+
+    texts = ["roses and tulips", "rain on the garden", "a"]
+    ref = SentenceTransformer(str(path), device="cpu").encode(texts)
+    ours = florist.Engine.from_pretrained(path, device="cpu").embed(texts)
+    assert ours.shape == ref.shape == (3, 16)
+    np.testing.assert_allclose(ours, ref, atol=1e-5)
+
+
+def test_cli_encode(capsys):
+    from florist.cli import main
+
+    assert main(["encode", "hello", "world", "--dimensions", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["embeddings"]) == 2 and len(out["embeddings"][0]) == 8
+    assert main(["encode", "x", "--model", "/does/not/exist"]) == 2
+    assert "does not exist" in capsys.readouterr().err
