@@ -1,24 +1,236 @@
-"""RMSNorm (+ residual add) and LayerNorm (+ residual add): torch references."""
+"""RMSNorm (+ residual add) and LayerNorm (+ residual add).
+
+Each op has a torch reference (`*_ref`: the CPU path and the test oracle) and a Triton kernel
+beside the one wrapper that launches it (`*_triton`). The public functions dispatch: Triton when
+the input is on CUDA, triton imports and the dtype is fp16/bf16/fp32; the reference otherwise.
+
+The kernels normalise the last dim of a [T, H] or [T, heads, head_dim] tensor whose last dim is
+contiguous. Rows are addressed through two strides, so a QK-norm input may be a view into a fused
+qkv projection output without a copy:
+
+    qkv [T, (Hq + 2*Hk) * D]    row t:  | q0 q1 .. q(Hq-1) | k0 .. k(Hk-1) | v0 .. v(Hk-1) |
+    q = qkv[:, :Hq*D].view(T, Hq, D)     strides (stride_t = (Hq + 2*Hk) * D, stride_h = D, 1)
+    kernel row r = t * heads + h   is read at   t * stride_t + h * stride_h
+
+Outputs are new contiguous tensors, as the reference's are. Rounding follows the reference step by
+step (sum rounded to x's dtype; normalised value rounded to x's dtype before the weight multiply),
+so the kernels differ from it only by fp32 summation order and rsqrt accuracy.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references below are the whole implementation
+    triton = None
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+# NOTE: without triton the kernels below are plain (never called) functions; the annotations are
+# strings (`from __future__ import annotations`), which triton.jit reads as constexpr markers.
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_BLOCK_COLS = 32768  # a whole row is held in registers; wider rows take the reference
+
+
+# ---------------------------------------------------------------------------------------------
+# torch references (the CPU path and the test oracle)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """Returns (rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first."""
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     summed = x + residual
-    return rms_norm(summed, weight, eps), summed
+    return rms_norm_ref(summed, weight, eps), summed
 
 
-def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+def add_layer_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     if residual is not None:
         x = x + residual
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# public ops
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / rms(x) * weight over the last dim, in fp32."""
+    if _triton_applies(x, weight):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Returns (rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first."""
+    if _triton_applies(x, weight, residual):
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """BERT's post-LayerNorm: layer_norm(x + residual) (or of x alone when residual is None)."""
+    if bias is not None and _triton_applies(x, weight, residual, bias):
+        return add_layer_norm_triton(x, residual, weight, bias, eps)
+    return add_layer_norm_ref(x, residual, weight, bias, eps)
+
+
+def _triton_applies(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> bool:
+    """Host-side checks only (shapes, strides, dtypes): no device sync, so safe in CUDA graphs."""
+    if triton is None or not x.is_cuda or x.dtype not in _FLOAT_DTYPES or x.dim() not in (2, 3) or x.stride(-1) != 1:
+        return False
+    if triton.next_power_of_2(x.shape[-1]) > _MAX_BLOCK_COLS:
+        return False
+    if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape or residual.stride(-1) != 1):
+        return False  # mixed-dtype or broadcast sums: the reference's promotion rules apply
+    return all(
+        p is not None and p.dtype in _FLOAT_DTYPES and p.shape == (x.shape[-1],) and p.stride(0) == 1
+        for p in ((weight,) if bias is None else (weight, bias))
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton launchers (also called directly by the tests, under the interpreter on CPU)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch_rms_norm(x, None, weight, eps)[0]
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    return _launch_rms_norm(x, residual, weight, eps)
+
+
+def add_layer_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    _check_rows(x, residual, weight)
+    assert bias.shape == weight.shape and bias.stride(0) == 1, f"bias {tuple(bias.shape)} must match weight {tuple(weight.shape)}"
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    res = x if residual is None else residual
+    num_rows, num_heads, n_cols = _rows(x)
+    block_rows, block_cols, num_warps = _row_blocking(n_cols)
+    _layer_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
+        x, res, weight, bias, out,
+        num_rows, num_heads, *_row_strides(x), *_row_strides(res), n_cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+    )
+    return out
+
+
+def _launch_rms_norm(x, residual, weight, eps):
+    _check_rows(x, residual, weight)
+    # Output dtype follows torch's promotion of `weight * x` (bf16 x with fp32 weight -> fp32).
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    summed = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out, summed
+    res = x if residual is None else residual
+    num_rows, num_heads, n_cols = _rows(x)
+    block_rows, block_cols, num_warps = _row_blocking(n_cols)
+    _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
+        x, res, weight, out, out if summed is None else summed,
+        num_rows, num_heads, *_row_strides(x), *_row_strides(res), n_cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+    )
+    return out, summed
+
+
+def _check_rows(x, residual, weight):
+    assert x.dim() in (2, 3), f"expected [T, H] or [T, heads, head_dim], got {tuple(x.shape)}"
+    assert x.dtype in _FLOAT_DTYPES and weight.dtype in _FLOAT_DTYPES, f"unsupported dtypes {x.dtype}, {weight.dtype}"
+    assert x.stride(-1) == 1, f"the normalised dim must be contiguous; strides {x.stride()}"
+    assert weight.shape == (x.shape[-1],) and weight.stride(0) == 1, f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1, (
+            f"residual {tuple(residual.shape)} {residual.dtype} strides {residual.stride()} must match x {tuple(x.shape)} {x.dtype}"
+        )
+
+
+def _rows(x):
+    """-> (num_rows, heads per token, row length); a 2-D x is one 'head' per token."""
+    num_heads = x.shape[1] if x.dim() == 3 else 1
+    return x.shape[0] * num_heads, num_heads, x.shape[-1]
+
+
+def _row_strides(x):
+    """-> (stride between tokens, stride between heads of one token)."""
+    return (x.stride(0), x.stride(1)) if x.dim() == 3 else (x.stride(0), 0)
+
+
+def _row_blocking(n_cols: int):
+    """Short rows (QK-norm over head_dim) share a program so each one moves >= ~2k elements."""
+    block_cols = triton.next_power_of_2(n_cols)
+    block_rows = max(1, min(16, 2048 // block_cols))
+    num_warps = min(16, max(1, block_rows * block_cols // 256))
+    return block_rows, block_cols, num_warps
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+
+
+@_jit
+def _row_offsets(rows, num_heads, stride_t, stride_h):
+    rows = rows.to(tl.int64)  # int64: T * stride_t can pass 2**31 for long batches of wide rows
+    return (rows // num_heads) * stride_t + (rows % num_heads) * stride_h
+
+
+@_jit
+def _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, HAS_RESIDUAL: tl.constexpr):
+    """Loads a [BLOCK_ROWS, BLOCK_COLS] tile of x (+ residual), in x's dtype: the sum is rounded
+    to it, as the reference's `x + residual` is. Masked elements are 0."""
+    x = tl.load(x_ptr + _row_offsets(rows, num_heads, stride_xt, stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + _row_offsets(rows, num_heads, stride_rt, stride_rh)[:, None] + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x
+
+
+@_jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+                     num_rows, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_COLS)
+    col_ok = cols < n_cols
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    out_offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x = _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, HAS_RESIDUAL)
+    if HAS_RESIDUAL:
+        tl.store(sum_ptr + out_offs, x, mask=mask)
+    x = x.to(tl.float32)
+    # Masked columns were loaded as 0, so they add nothing to the sum of squares.
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    # The reference rounds the normalised value to x's dtype, then multiplies by the weight.
+    y = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_offs, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr,
+                       num_rows, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
+                       HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_COLS)
+    col_ok = cols < n_cols
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    out_offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x = _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, HAS_RESIDUAL)
+    x = x.to(tl.float32)
+    # Two passes over registers (mean, then centred variance): as accurate as torch's Welford.
+    mean = tl.sum(x, axis=1) / n_cols
+    centred = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = centred * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=mask)

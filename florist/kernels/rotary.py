@@ -1,8 +1,42 @@
-"""Rotary embedding ("rotate half" layout): torch reference."""
+"""Rotary embedding ("rotate half" / NeoX layout), alone or fused with Qwen3's QK-norm.
+
+Each op has a torch reference (`*_ref`: the CPU path and the test oracle) and a Triton kernel
+beside the one wrapper that launches it (`*_triton`). The public functions dispatch: Triton when
+the inputs are on CUDA, triton imports and the dtype is fp16/bf16/fp32; the reference otherwise.
+
+Layout. q [T, Hq, D] and k [T, Hk, D] may be strided views (e.g. slices of a fused qkv output);
+only the head_dim must be contiguous. The cache row of position p holds cos | sin, fp32:
+
+    cos_sin_cache[p] = | cos(p*f_0) .. cos(p*f_{D/2-1}) | sin(p*f_0) .. sin(p*f_{D/2-1}) |
+    x = | x1 (D/2) | x2 (D/2) |  ->  | x1*cos - x2*sin | x2*cos + x1*sin |
+
+One program handles every q and k head of one token, so the cache row is read once per token.
+NOTE: positions are not bounds-checked by the kernel (the reference raises on CPU); the engine
+keeps them below max_position_embeddings, the cache length.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from florist.kernels.norms import rms_norm_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references below are the whole implementation
+    triton = None
+
+# NOTE: without triton the kernels below are plain (never called) functions; the annotations are
+# strings (`from __future__ import annotations`), which triton.jit reads as constexpr markers.
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_TILE = 16384  # heads x head_dim/2 elements held in registers per program
+
+
+# ---------------------------------------------------------------------------------------------
+# torch references (the CPU path and the test oracle)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -10,7 +44,146 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
-    """q: [T, Hq, D], k: [T, Hk, D], positions: [T], cos_sin_cache: [P, D] (cos | sin halves)."""
+def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def qk_norm_rope_ref(q, k, q_weight, k_weight, eps, positions, cos_sin_cache):
+    return apply_rotary_ref(rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps), positions, cos_sin_cache)
+
+
+# ---------------------------------------------------------------------------------------------
+# public ops
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """q: [T, Hq, D], k: [T, Hk, D], positions: [T], cos_sin_cache: [P, D] (cos | sin halves)
+    -> rotated (q, k), new contiguous tensors."""
+    if _triton_applies(q, k, positions, cos_sin_cache):
+        return apply_rotary_triton(q, k, positions, cos_sin_cache)
+    return apply_rotary_ref(q, k, positions, cos_sin_cache)
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, eps: float, positions, cos_sin_cache):
+    """Qwen3's QK-norm then rotary: rms_norm over head_dim of q and k (weights [D]) followed by
+    apply_rotary, in one pass over q and k."""
+    if _triton_applies(q, k, positions, cos_sin_cache, q_weight, k_weight):
+        return qk_norm_rope_triton(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
+    return qk_norm_rope_ref(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
+
+
+def _triton_applies(q, k, positions, cache, q_weight=None, k_weight=None) -> bool:
+    """Host-side checks only (shapes, strides, dtypes): no device sync, so safe in CUDA graphs."""
+    if triton is None or not q.is_cuda or q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype:
+        return False
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[2] % 2:
+        return False
+    if q.stride(2) != 1 or k.stride(2) != 1 or positions.dim() != 1 or positions.shape[0] != q.shape[0]:
+        return False
+    if positions.dtype not in (torch.int32, torch.int64) or cache.dtype != torch.float32:
+        return False
+    if cache.dim() != 2 or cache.shape[1] != q.shape[2] or cache.stride(1) != 1:
+        return False
+    if q_weight is not None and not all(
+        w.dtype == q_weight.dtype and w.dtype in _FLOAT_DTYPES and w.shape == (q.shape[2],) and w.stride(0) == 1
+        for w in (q_weight, k_weight)
+    ):
+        return False
+    block_half = triton.next_power_of_2(q.shape[2] // 2)
+    return triton.next_power_of_2(max(q.shape[1], k.shape[1])) * block_half <= _MAX_TILE
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton launchers (also called directly by the tests, under the interpreter on CPU)
+
+
+def apply_rotary_triton(q, k, positions, cos_sin_cache):
+    return _launch(q, k, None, None, 0.0, positions, cos_sin_cache)
+
+
+def qk_norm_rope_triton(q, k, q_weight, k_weight, eps, positions, cos_sin_cache):
+    return _launch(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
+
+
+def _launch(q, k, q_weight, k_weight, eps, positions, cache):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    assert q.dim() == 3 and k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, (
+        f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, head_dim] with the same T and head_dim"
+    )
+    assert head_dim % 2 == 0 and q.stride(2) == 1 and k.stride(2) == 1, f"head_dim must be even and contiguous; strides {q.stride()}, {k.stride()}"
+    assert q.dtype == k.dtype and q.dtype in _FLOAT_DTYPES, f"unsupported dtypes {q.dtype}, {k.dtype}"
+    assert positions.shape == (num_tokens,) and positions.dtype in (torch.int32, torch.int64), f"positions {tuple(positions.shape)} {positions.dtype}"
+    assert cache.dtype == torch.float32 and cache.dim() == 2 and cache.shape[1] == head_dim and cache.stride(1) == 1, (
+        f"cos_sin_cache must be fp32 [P, {head_dim}]; got {cache.dtype} {tuple(cache.shape)}"
+    )
+    norm = q_weight is not None
+    out_dtype = q.dtype
+    if norm:
+        assert q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,) and q_weight.dtype == k_weight.dtype, (
+            f"QK-norm weights {tuple(q_weight.shape)}, {tuple(k_weight.shape)} must both be [{head_dim}] of one dtype"
+        )
+        # The reference's rms_norm returns promote(x, weight) (`weight * x`), and rotary keeps that dtype.
+        out_dtype = torch.promote_types(q.dtype, q_weight.dtype)
+    q_out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=out_dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    block_half = triton.next_power_of_2(head_dim // 2)
+    block_q, block_k = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_k_heads)
+    num_warps = min(8, max(1, block_q * block_half // 256))
+    _rope_kernel[(num_tokens,)](
+        q, k, q_out, k_out, positions, cache, q_weight if norm else cache, k_weight if norm else cache,
+        num_q_heads, num_k_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cache.stride(0), head_dim // 2, eps,
+        NORM=norm, BLOCK_Q_HEADS=block_q, BLOCK_K_HEADS=block_k, BLOCK_HALF=block_half, num_warps=num_warps,
+    )
+    return q_out, k_out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+
+
+@_jit
+def _rope_heads(x_ptr, out_ptr, w_ptr, token, num_heads, stride_t, stride_h, cos, sin, half_dim, eps,
+                NORM: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """(QK-norm and) rotary of all heads of one token: a [BLOCK_HEADS, BLOCK_HALF] tile per half."""
+    heads = tl.arange(0, BLOCK_HEADS)
+    d = tl.arange(0, BLOCK_HALF)
+    d_ok = d < half_dim
+    mask = (heads < num_heads)[:, None] & d_ok[None, :]
+    src = x_ptr + token.to(tl.int64) * stride_t + heads[:, None] * stride_h + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half_dim, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        # Same rounding steps as rms_norm_ref: normalised value to x's dtype, times the weight,
+        # rounded to the output dtype; the rotation then runs in fp32 on those rounded values.
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half_dim) + eps)
+        w1 = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + half_dim + d, mask=d_ok, other=0.0).to(tl.float32)
+        x1 = (x1 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * w1[None, :]
+        x2 = (x2 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * w2[None, :]
+        x1 = x1.to(out_ptr.dtype.element_ty).to(tl.float32)
+        x2 = x2.to(out_ptr.dtype.element_ty).to(tl.float32)
+    out1 = x1 * cos[None, :] - x2 * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    dst = out_ptr + (token.to(tl.int64) * num_heads + heads[:, None]) * (2 * half_dim) + d[None, :]
+    tl.store(dst, out1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half_dim, out2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_ptr,
+                 num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, half_dim, eps,
+                 NORM: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0)
+    d = tl.arange(0, BLOCK_HALF)
+    d_ok = d < half_dim
+    row = cache_ptr + tl.load(pos_ptr + token).to(tl.int64) * stride_cache
+    cos = tl.load(row + d, mask=d_ok, other=0.0)
+    sin = tl.load(row + half_dim + d, mask=d_ok, other=0.0)
+    _rope_heads(q_ptr, q_out_ptr, q_w_ptr, token, num_q_heads, stride_qt, stride_qh, cos, sin, half_dim, eps,
+                NORM, BLOCK_Q_HEADS, BLOCK_HALF)
+    _rope_heads(k_ptr, k_out_ptr, k_w_ptr, token, num_k_heads, stride_kt, stride_kh, cos, sin, half_dim, eps,
+                NORM, BLOCK_K_HEADS, BLOCK_HALF)

@@ -1,0 +1,291 @@
+"""Comparison cases for the fused Triton kernels: each case runs a `*_triton` launcher and its
+torch reference (`*_ref`) on the same fresh random inputs and asserts they agree.
+
+Used two ways:
+  * on CUDA, by tests/test_kernels.py (the real compiled kernels, larger sizes);
+  * on CPU through Triton's interpreter, as a script: `TRITON_INTERPRET=1 python tests/kernel_cases.py`
+    runs every case at small sizes and prints one JSON object {case: "ok" | failure text}.
+    NOTE: TRITON_INTERPRET must be set before triton is imported (triton.jit reads it when the
+    kernels are decorated), which is why this runs in its own process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import traceback
+from typing import Callable
+
+import torch
+
+from florist.kernels import activation, norms, rotary
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Kernel and reference round at the same steps; they differ by fp32 summation order and
+# rsqrt/exp accuracy, which can flip the last bit of an intermediate rounding (<= ~1.5 ulp).
+TOLERANCES = {torch.float32: (1.3e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+# Such flips are rare, so 16-bit outputs must also be bit-identical almost everywhere: this is what
+# catches a rounding step done differently from the reference, which the tolerance alone lets by.
+MAX_INEXACT_FRACTION = 0.01
+EPS = 1e-6
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, *, exact: bool = False) -> None:
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != reference {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != reference {expected.dtype}"
+    rtol, atol = (0.0, 0.0) if exact else TOLERANCES[expected.dtype]
+    actual, expected = actual.cpu(), expected.cpu()
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
+    if expected.dtype in (torch.bfloat16, torch.float16) and expected.numel():
+        same = (actual == expected) | (actual.isnan() & expected.isnan())
+        inexact = 1.0 - same.float().mean().item()
+        assert inexact <= MAX_INEXACT_FRACTION, f"{inexact:.2%} of elements differ from the reference in the last bit"
+
+
+class Inputs:
+    """Seeded random tensors on one device (a fresh seed per case, so cases are independent)."""
+
+    def __init__(self, device: str, seed: int):
+        self.device = device
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def randn(self, *shape, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=self.gen) * scale).to(dtype).to(self.device)
+
+    def positions(self, num_tokens: int, max_pos: int, dtype=torch.int32) -> torch.Tensor:
+        return torch.randint(0, max_pos, (num_tokens,), generator=self.gen).to(dtype).to(self.device)
+
+    def strided_rows(self, rows: int, cols: int, dtype, pad: int = 5) -> torch.Tensor:
+        """[rows, cols] view with a row stride of cols + 2*pad and an unaligned start."""
+        return self.randn(rows, cols + 2 * pad, dtype=dtype)[:, pad : pad + cols]
+
+    def qkv_views(self, num_tokens: int, num_q_heads: int, num_k_heads: int, head_dim: int, dtype):
+        """q [T, Hq, D] and k [T, Hk, D] as views into one fused qkv output (as in Qwen3Attention)."""
+        q_size, kv_size = num_q_heads * head_dim, num_k_heads * head_dim
+        qkv = self.randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, scale=3.0)
+        q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return q.reshape(num_tokens, num_q_heads, head_dim), k.reshape(num_tokens, num_k_heads, head_dim)
+
+
+def cos_sin_cache(max_pos: int, head_dim: int, device: str, theta: float = 1e6) -> torch.Tensor:
+    # Built the way florist.layers.rotary.RotaryEmbedding builds it.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# cases: fn(inputs, big) -> None; `big` selects GPU-sized inputs
+
+
+def _rms_norm(dtype, cols, weight_dtype=None, three_d=False):
+    def case(g: Inputs, big: bool):
+        rows = (4099 if big else 9) if not three_d else (1023 if big else 5)
+        shape = (rows, 8, cols) if three_d else (rows, cols)
+        x = g.randn(*shape, dtype=dtype, scale=2.0)
+        w = g.randn(cols, dtype=weight_dtype or dtype)
+        assert_matches(norms.rms_norm_triton(x, w, EPS), norms.rms_norm_ref(x, w, EPS))
+
+    return case
+
+
+def _rms_norm_strided(dtype):
+    def case(g: Inputs, big: bool):
+        t = 2048 if big else 6
+        x = g.strided_rows(t, 1000, dtype)
+        w = g.randn(1000, dtype=dtype)
+        assert_matches(norms.rms_norm_triton(x, w, EPS), norms.rms_norm_ref(x, w, EPS))
+        # QK-norm over head_dim on views of a fused qkv output (row stride != heads * head_dim)
+        q, k = g.qkv_views(t, 16, 8, 128, dtype)
+        for v in (q, k):
+            w = g.randn(128, dtype=dtype)
+            assert_matches(norms.rms_norm_triton(v, w, EPS), norms.rms_norm_ref(v, w, EPS))
+
+    return case
+
+
+def _add_rms_norm(dtype, cols, strided=False):
+    def case(g: Inputs, big: bool):
+        t = 4099 if big else 7
+        make = (lambda: g.strided_rows(t, cols, dtype)) if strided else (lambda: g.randn(t, cols, dtype=dtype))
+        x, res, w = make(), make(), g.randn(cols, dtype=dtype)
+        out, summed = norms.add_rms_norm_triton(x, res, w, EPS)
+        ref_out, ref_summed = norms.add_rms_norm_ref(x, res, w, EPS)
+        assert_matches(summed, ref_summed, exact=EXACT_SUM)  # one rounding of an exact fp32 sum
+        assert_matches(out, ref_out)
+
+    return case
+
+
+def _add_layer_norm(dtype, cols, with_residual):
+    def case(g: Inputs, big: bool):
+        t = 4099 if big else 7
+        x = g.randn(t, cols, dtype=dtype, scale=2.0) + 0.5  # a nonzero mean, so centring matters
+        res = g.strided_rows(t, cols, dtype) if with_residual else None
+        w, b = g.randn(cols, dtype=dtype), g.randn(cols, dtype=dtype)
+        assert_matches(norms.add_layer_norm_triton(x, res, w, b, 1e-12), norms.add_layer_norm_ref(x, res, w, b, 1e-12))
+
+    return case
+
+
+def _norms_nonfinite(dtype):
+    """A NaN poisons its row, an inf makes its own element NaN (inf * 0) and the rest 0 in RMSNorm
+    and the whole row NaN in LayerNorm (inf - inf); clean rows are untouched."""
+
+    def case(g: Inputs, big: bool):
+        t, cols = (1024, 1024) if big else (6, 384)
+        x, res = g.randn(t, cols, dtype=dtype), g.randn(t, cols, dtype=dtype)
+        w, b = g.randn(cols, dtype=dtype), g.randn(cols, dtype=dtype)
+        x[1, 3], x[2, 10], x[3, 0], res[4, cols - 1] = float("nan"), float("inf"), -float("inf"), float("nan")
+        assert_matches(norms.rms_norm_triton(x, w, EPS), norms.rms_norm_ref(x, w, EPS))
+        out, summed = norms.add_rms_norm_triton(x, res, w, EPS)
+        ref_out, ref_summed = norms.add_rms_norm_ref(x, res, w, EPS)
+        assert_matches(summed, ref_summed, exact=EXACT_SUM)
+        assert_matches(out, ref_out)
+        assert_matches(norms.add_layer_norm_triton(x, res, w, b, 1e-5), norms.add_layer_norm_ref(x, res, w, b, 1e-5))
+
+    return case
+
+
+def _rotary(dtype, head_dim, pos_dtype=torch.int32, norm=False, weight_dtype=None):
+    def case(g: Inputs, big: bool):
+        t, max_pos = (4099, 40960) if big else (11, 300)
+        cache = cos_sin_cache(max_pos, head_dim, g.device)
+        q, k = g.qkv_views(t, 16, 8, head_dim, dtype)
+        positions = g.positions(t, max_pos, pos_dtype)
+        if not norm:
+            got, want = rotary.apply_rotary_triton(q, k, positions, cache), rotary.apply_rotary_ref(q, k, positions, cache)
+        else:
+            qw, kw = g.randn(head_dim, dtype=weight_dtype or dtype), g.randn(head_dim, dtype=weight_dtype or dtype)
+            got = rotary.qk_norm_rope_triton(q, k, qw, kw, EPS, positions, cache)
+            want = rotary.qk_norm_rope_ref(q, k, qw, kw, EPS, positions, cache)
+        for a, e in zip(got, want):
+            assert_matches(a, e)
+
+    return case
+
+
+def _rotary_odd_heads(dtype):
+    """Head counts that are not powers of two, contiguous inputs, a NaN confined to its head."""
+
+    def case(g: Inputs, big: bool):
+        t, head_dim = (999 if big else 5), 64
+        cache = cos_sin_cache(512, head_dim, g.device)
+        q, k = g.randn(t, 7, head_dim, dtype=dtype), g.randn(t, 3, head_dim, dtype=dtype)
+        q[1, 2, 5] = float("nan")
+        k[2, 0, 40] = float("inf")
+        positions = g.positions(t, 512, torch.int64)
+        qw, kw = g.randn(head_dim, dtype=dtype), g.randn(head_dim, dtype=dtype)
+        for a, e in zip(rotary.apply_rotary_triton(q, k, positions, cache), rotary.apply_rotary_ref(q, k, positions, cache)):
+            assert_matches(a, e)
+        got = rotary.qk_norm_rope_triton(q, k, qw, kw, EPS, positions, cache)
+        for a, e in zip(got, rotary.qk_norm_rope_ref(q, k, qw, kw, EPS, positions, cache)):
+            assert_matches(a, e)
+
+    return case
+
+
+def _silu_and_mul(dtype, inter, strided=False):
+    def case(g: Inputs, big: bool):
+        t = 4099 if big else 5
+        x = g.strided_rows(t, 2 * inter, dtype) if strided else g.randn(t, 2 * inter, dtype=dtype, scale=3.0)
+        assert_matches(activation.silu_and_mul_triton(x), activation.silu_and_mul_ref(x))
+
+    return case
+
+
+def _silu_and_mul_nonfinite(dtype):
+    def case(g: Inputs, big: bool):
+        x = g.randn(3, 2 * 7, dtype=dtype)
+        specials = [float("nan"), float("inf"), -float("inf"), -200.0, 200.0]
+        x[0, :5] = torch.tensor(specials, dtype=dtype)  # in gate
+        x[1, 7:12] = torch.tensor(specials, dtype=dtype)  # in up
+        x[2, :5] = torch.tensor(specials, dtype=dtype)
+        x[2, 7:12] = torch.tensor(specials[::-1], dtype=dtype)
+        assert_matches(activation.silu_and_mul_triton(x), activation.silu_and_mul_ref(x))
+
+    return case
+
+
+def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
+    cases: dict[str, Callable] = {}
+    for (name, dtype), cols in itertools.product(DTYPES.items(), (7, 384, 1000, 1024)):
+        cases[f"rms_norm-{name}-H{cols}"] = _rms_norm(dtype, cols)
+        cases[f"add_rms_norm-{name}-H{cols}"] = _add_rms_norm(dtype, cols)
+        cases[f"add_layer_norm-{name}-H{cols}"] = _add_layer_norm(dtype, cols, with_residual=cols != 7)
+        cases[f"silu_and_mul-{name}-I{cols}"] = _silu_and_mul(dtype, cols)
+    for name, dtype in DTYPES.items():
+        cases[f"rms_norm-{name}-heads-D128"] = _rms_norm(dtype, 128, three_d=True)
+        cases[f"rms_norm-{name}-strided"] = _rms_norm_strided(dtype)
+        cases[f"add_rms_norm-{name}-strided"] = _add_rms_norm(dtype, 1000, strided=True)
+        cases[f"add_layer_norm-{name}-no-residual"] = _add_layer_norm(dtype, 384, with_residual=False)
+        cases[f"norms-{name}-nan-inf"] = _norms_nonfinite(dtype)
+        cases[f"silu_and_mul-{name}-I3072"] = _silu_and_mul(dtype, 3072)  # several programs per row
+        cases[f"silu_and_mul-{name}-strided"] = _silu_and_mul(dtype, 1000, strided=True)
+        cases[f"silu_and_mul-{name}-nan-inf"] = _silu_and_mul_nonfinite(dtype)
+        for head_dim in (128, 96, 6):
+            cases[f"apply_rotary-{name}-D{head_dim}"] = _rotary(dtype, head_dim)
+            cases[f"qk_norm_rope-{name}-D{head_dim}"] = _rotary(dtype, head_dim, pos_dtype=torch.int64, norm=True)
+        cases[f"rotary-{name}-odd-heads-nan-inf"] = _rotary_odd_heads(dtype)
+    # Mixed dtypes: bf16 activations with fp32 weights promote the output to fp32, as `weight * x` does.
+    cases["rms_norm-bf16-fp32-weight"] = _rms_norm(torch.bfloat16, 384, weight_dtype=torch.float32)
+    cases["qk_norm_rope-bf16-fp32-weight"] = _rotary(torch.bfloat16, 128, norm=True, weight_dtype=torch.float32)
+    return cases
+
+
+CASES = _build_cases()
+# Whether the sum x + residual must match bit for bit (true on GPUs; see _interpreter_rounds_bf16).
+EXACT_SUM = True
+
+
+def run_case(name: str, device: str, big: bool) -> None:
+    seed = sum(map(ord, name))  # fixed per case: a failure reproduces
+    CASES[name](Inputs(device, seed), big)
+
+
+def _interpreter_rounds_bf16() -> bool:
+    """Triton's interpreter converts fp32 -> bf16 by truncation, while GPUs (and torch) round to
+    nearest even; make the interpreter round like the hardware so bf16 results compare tightly.
+    Returns False (and leaves the interpreter alone) if its internals are not the expected ones."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or not hasattr(builder, "cast_impl") or not hasattr(interpreter, "TensorHandle"):
+        return False
+    original = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = np.ascontiguousarray(src.data, dtype=np.float32)
+            rounded = torch.from_numpy(data).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(rounded, dst_type.scalar)
+        return original(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
+    # create_fp_trunc and friends were bound to the original cast_impl through lambdas calling
+    # self.cast_impl, so patching the method is enough.
+    return True
+
+
+def main() -> int:
+    global EXACT_SUM
+    EXACT_SUM = _interpreter_rounds_bf16()
+    names = sys.argv[1:] or list(CASES)
+    results = {}
+    for name in names:
+        try:
+            run_case(name, "cpu", big=False)
+            results[name] = "ok"
+        except Exception:  # report every case, not just the first failure
+            results[name] = traceback.format_exc(limit=3)
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Fused Triton kernels against their torch references (florist/kernels/).
+
+* CPU (CI): every case of tests/kernel_cases.py runs through Triton's interpreter in one
+  subprocess (TRITON_INTERPRET must be set before triton is imported), small sizes.
+* GPU (skipped without CUDA): the same cases compiled for the device at larger sizes, plus
+  dispatch and CUDA-graph capture of the public ops.
+* Everywhere: the public ops fall back to the reference on CPU, and the package imports and runs
+  without triton.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernel_cases
+from florist.kernels import activation, norms, rotary
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+
+
+def _subprocess_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, str]:
+    pytest.importorskip("triton")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "kernel_cases.py")],
+        env=_subprocess_env(TRITON_INTERPRET="1"),
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(kernel_cases.CASES))
+def test_kernel_matches_reference_interpreted(case, interpreted_results):
+    assert interpreted_results[case] == "ok", f"{case}:\n{interpreted_results[case]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", list(kernel_cases.CASES))
+def test_kernel_matches_reference_gpu(case):
+    kernel_cases.run_case(case, "cuda", big=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch
+
+
+def _sample_inputs(device: str, dtype=torch.bfloat16):
+    g = kernel_cases.Inputs(device, seed=0)
+    q, k = g.qkv_views(13, 16, 8, 128, dtype)
+    return {
+        "x": g.randn(13, 1024, dtype=dtype), "res": g.randn(13, 1024, dtype=dtype),
+        "w": g.randn(1024, dtype=dtype), "b": g.randn(1024, dtype=dtype),
+        "q": q, "k": k, "qw": g.randn(128, dtype=dtype), "kw": g.randn(128, dtype=dtype),
+        "pos": g.positions(13, 64), "cache": kernel_cases.cos_sin_cache(64, 128, device),
+        "gate_up": g.randn(13, 2 * 3072, dtype=dtype),
+    }
+
+
+def _public_vs_impl(t, impl: str):
+    """Pairs (public op output, output of `impl` = "ref" or "triton") over every op."""
+    eps = kernel_cases.EPS
+    calls = [
+        (norms.rms_norm, "rms_norm", (t["x"], t["w"], eps)),
+        (norms.add_rms_norm, "add_rms_norm", (t["x"], t["res"], t["w"], eps)),
+        (norms.add_layer_norm, "add_layer_norm", (t["x"], t["res"], t["w"], t["b"], eps)),
+        (norms.add_layer_norm, "add_layer_norm", (t["x"], None, t["w"], t["b"], eps)),
+        (rotary.apply_rotary, "apply_rotary", (t["q"], t["k"], t["pos"], t["cache"])),
+        (rotary.qk_norm_rope, "qk_norm_rope", (t["q"], t["k"], t["qw"], t["kw"], eps, t["pos"], t["cache"])),
+        (activation.silu_and_mul, "silu_and_mul", (t["gate_up"],)),
+    ]
+    for public, name, args in calls:
+        module = sys.modules[public.__module__]
+        yield name, public(*args), getattr(module, f"{name}_{impl}")(*args)
+
+
+def _flat(out):
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_uses_reference(dtype):
+    for name, got, want in _public_vs_impl(_sample_inputs("cpu", dtype), "ref"):
+        for a, e in zip(_flat(got), _flat(want)):
+            assert torch.equal(a, e), name
+
+
+def test_qk_norm_rope_reference_is_the_composition():
+    """The fused op's reference is exactly what Qwen3Attention did before: rms_norm, then rotary."""
+    t = _sample_inputs("cpu")
+    eps = kernel_cases.EPS
+    want = rotary.apply_rotary(norms.rms_norm(t["q"], t["qw"], eps), norms.rms_norm(t["k"], t["kw"], eps), t["pos"], t["cache"])
+    got = rotary.qk_norm_rope(t["q"], t["k"], t["qw"], t["kw"], eps, t["pos"], t["cache"])
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+
+
+def test_package_imports_and_runs_without_triton():
+    script = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "import torch\n"
+        "from florist.kernels import activation, norms, rotary\n"
+        "import florist.models.qwen3\n"
+        "assert norms.triton is None and rotary.triton is None and activation.triton is None\n"
+        "x, w = torch.randn(3, 8), torch.ones(8)\n"
+        "assert torch.equal(norms.rms_norm(x, w, 1e-6), norms.rms_norm_ref(x, w, 1e-6))\n"
+        "assert activation.silu_and_mul(x).shape == (3, 4)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env=_subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_dispatches_to_triton(dtype):
+    for name, got, want in _public_vs_impl(_sample_inputs("cuda", dtype), "triton"):
+        for a, e in zip(_flat(got), _flat(want)):
+            assert torch.equal(a, e), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_public_ops_capture_in_cuda_graph():
+    """The wrappers make no host syncs: capture all ops in one graph, refill the inputs, replay."""
+    static = _sample_inputs("cuda")
+    eps = kernel_cases.EPS
+
+    def forward(t):
+        h, summed = norms.add_rms_norm(t["x"], t["res"], t["w"], eps)
+        q, k = rotary.qk_norm_rope(t["q"], t["k"], t["qw"], t["kw"], eps, t["pos"], t["cache"])
+        q2, k2 = rotary.apply_rotary(t["q"], t["k"], t["pos"], t["cache"])
+        return [norms.rms_norm(h, t["w"], eps), summed, norms.add_layer_norm(h, summed, t["w"], t["b"], eps),
+                q, k, q2, k2, activation.silu_and_mul(t["gate_up"])]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward(static)  # warm-up: compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = forward(static)
+
+    fresh = _sample_inputs("cuda")
+    g = kernel_cases.Inputs("cuda", seed=1)
+    for name, tensor in fresh.items():
+        if tensor.is_floating_point() and name != "cache":
+            fresh[name] = g.randn(*tensor.shape, dtype=tensor.dtype)
+    fresh["pos"] = g.positions(13, 64)
+    for name in static:
+        static[name].copy_(fresh[name])
+    graph.replay()
+    for a, e in zip(outs, forward(fresh)):
+        assert torch.equal(a, e)
