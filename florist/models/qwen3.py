@@ -11,6 +11,7 @@ from torch import nn
 
 from florist.config import ModelConfig
 from florist.engine.batch import RaggedBatch
+from florist.kernels.rotary import qk_norm_rope
 from florist.layers.activation import silu_and_mul
 from florist.layers.attention import Attention, AttentionFn
 from florist.layers.embedding import VocabParallelEmbedding
@@ -35,9 +36,11 @@ class Qwen3Attention(nn.Module):
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(batch.positions, q, k)
+        # QK-norm over head_dim and rotary in one kernel, reading q and k in place inside qkv.
+        q, k = qk_norm_rope(
+            q.reshape(t, self.num_heads, self.head_dim), k.reshape(t, self.num_kv_heads, self.head_dim),
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.positions, self.rotary.cos_sin_cache,
+        )
         return self.o_proj(self.attn(q, k, v, batch))
 
 
