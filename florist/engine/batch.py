@@ -75,17 +75,20 @@ def segment_ids(seq_lens: np.ndarray, first_segment_lens: np.ndarray) -> np.ndar
 class RaggedBatch:
     """Device-side view of a batch; passed explicitly down through the model (no globals).
 
-    `seq_lens_host` and `max_seqlen` are host values fixed for the batch (for a CUDA graph, fixed
-    for the bucket): backends may size grids from them but never read device values back.
+    Host values (`max_seqlen`, `seq_lens_host`, `single_sequence`) are fixed for the batch, and
+    for a CUDA graph fixed for its bucket: backends may size work from them but never read device
+    values back. A padded batch (graph buckets) ends with one dummy sequence holding the padding
+    tokens, then empty sequences up to the sequence bucket; its `seq_lens_host` is empty.
     """
 
     input_ids: torch.Tensor  # [T] int32
-    positions: torch.Tensor  # [T] int32 (int64 indexes cost nothing extra; int32 keeps one buffer)
+    positions: torch.Tensor  # [T] int32
     seq_ids: torch.Tensor  # [T] int32
     cu_seqlens: torch.Tensor  # [B+1] int32
     token_type_ids: torch.Tensor | None
     max_seqlen: int
     seq_lens_host: tuple[int, ...]
+    single_sequence: bool = False  # exactly one real sequence, at the start (padding after it)
 
     @property
     def num_tokens(self) -> int:
@@ -96,25 +99,49 @@ class RaggedBatch:
         return self.cu_seqlens.shape[0] - 1
 
 
-def to_device(host: HostBatch, device: torch.device, *, pin: bool = False) -> RaggedBatch:
-    """One packed transfer: [ids | positions | seq_ids | token_types? | cu_seqlens]."""
+def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = None) -> np.ndarray:
+    """Lay a batch out as one int32 array [ids | positions | seq_ids | token_types? | cu_seqlens],
+    padded to `num_tokens` tokens and `num_seqs` sequences:
+
+        ids        t0 t1 t2 u0 u1 | 0  0  0        (padding tokens: id 0)
+        seq_ids     0  0  0  1  1 | 2  2  2        (the dummy sequence B = 2 owns the padding)
+        cu_seqlens  0  3  5  8  8  8  8  8  8      (B real + dummy + empty ones up to num_seqs)
+    """
     t, b = host.num_tokens, host.num_seqs
-    parts = [host.input_ids, host.positions(), host.seq_ids()]
-    if host.token_type_ids is not None:
-        parts.append(host.token_type_ids)
-    parts.append(host.cu_seqlens())
-    packed = torch.from_numpy(np.concatenate(parts))
-    if device.type == "cuda":
-        if pin:
-            packed = packed.pin_memory()
-        packed = packed.to(device, non_blocking=pin)
-    views = packed.split([t, t, t] + ([t] if host.token_type_ids is not None else []) + [b + 1])
+    tb, bb = num_tokens or t, num_seqs or b
+    if tb < t or bb < b + (tb > t):
+        raise ValueError(f"bucket ({tb} tokens, {bb} sequences) cannot hold {t} tokens in {b} sequences plus padding")
+    with_types = host.token_type_ids is not None
+    buf = np.zeros(3 * tb + (tb if with_types else 0) + bb + 1, dtype=np.int32)
+    ids, pos, seq = buf[:tb], buf[tb : 2 * tb], buf[2 * tb : 3 * tb]
+    ids[:t] = host.input_ids
+    pos[:t] = host.positions()
+    pos[t:] = np.arange(tb - t, dtype=np.int32)
+    seq[:t] = host.seq_ids()
+    seq[t:] = b
+    if with_types:
+        buf[3 * tb : 3 * tb + t] = host.token_type_ids
+    cu = buf[-(bb + 1) :]
+    cu[: b + 1] = host.cu_seqlens()
+    cu[b + 1 :] = tb
+    return buf
+
+
+def views(packed: torch.Tensor, num_tokens: int, num_seqs: int, with_types: bool, *, max_seqlen: int, seq_lens_host: tuple[int, ...], single_sequence: bool) -> RaggedBatch:
+    """A RaggedBatch whose tensors are views into one packed buffer (see `pack`)."""
+    t = num_tokens
+    parts = packed.split([t, t, t] + ([t] if with_types else []) + [num_seqs + 1])
     return RaggedBatch(
-        input_ids=views[0],
-        positions=views[1],
-        seq_ids=views[2],
-        token_type_ids=views[3] if host.token_type_ids is not None else None,
-        cu_seqlens=views[-1],
-        max_seqlen=host.max_seqlen,
-        seq_lens_host=tuple(int(x) for x in host.seq_lens),
+        input_ids=parts[0], positions=parts[1], seq_ids=parts[2],
+        token_type_ids=parts[3] if with_types else None, cu_seqlens=parts[-1],
+        max_seqlen=max_seqlen, seq_lens_host=seq_lens_host, single_sequence=single_sequence,
     )
+
+
+def to_device(host: HostBatch, device: torch.device, *, pin: bool = False) -> RaggedBatch:
+    """The unpadded batch on `device`, moved in one transfer."""
+    packed = torch.from_numpy(pack(host))
+    if device.type == "cuda":
+        packed = (packed.pin_memory() if pin else packed).to(device, non_blocking=pin)
+    return views(packed, host.num_tokens, host.num_seqs, host.token_type_ids is not None,
+                 max_seqlen=host.max_seqlen, seq_lens_host=tuple(int(x) for x in host.seq_lens), single_sequence=host.num_seqs == 1)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from florist.config import ModelConfig
 from florist.engine.batch import HostBatch, RaggedBatch, to_device
+from florist.engine.graph_runner import GraphRunner
 from florist.engine.lazy import LazyTensor
 from florist.engine.loader import check_complete, iter_tensors, load_weights, safetensors_files
 from florist.engine.model_dir import ModelDir
@@ -39,8 +41,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return dtype
 
 
+def default_graph_max_tokens(cfg: ModelConfig) -> int:
+    """Largest batch (in tokens) replayed from a CUDA graph; above it batches run eagerly.
+
+    Graphs pay while launch overhead is a visible share of the step: measured with
+    `bench/engine.py --graph-threshold` (docs/benchmarks.md) for the model sizes served.
+    """
+    return 4096
+
+
 class ModelRunner:
-    def __init__(self, model_dir: ModelDir, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None):
+    def __init__(self, model_dir: ModelDir, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, graph_max_tokens: int | None = None):
         self.model_dir, self.device, self.dtype = model_dir, device, dtype
         backend = select_backend(attention_backend, device)
         previous = torch.get_default_dtype()
@@ -52,6 +63,13 @@ class ModelRunner:
             torch.set_default_dtype(previous)
         self._load()
         self.model.eval()
+        self.graphs: GraphRunner | None = None
+        if device.type == "cuda" and graph_max_tokens != 0:
+            self.graphs = GraphRunner(
+                self.forward, device,
+                max_tokens=graph_max_tokens or default_graph_max_tokens(model_dir.config),
+                with_token_types=model_dir.config.family == "bert",
+            )
 
     def _load(self) -> None:
         loaded = load_weights(self.model, iter_tensors(safetensors_files(self.model_dir.path)), self.model.weight_map)
@@ -69,5 +87,9 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, host: HostBatch) -> LazyTensor:
         """Launch one batch; returns at once (on CUDA) with the output still in flight."""
+        if host.num_seqs == 0:
+            raise ValueError("a batch needs at least one sequence")
+        if self.graphs is not None and self.graphs.applies(host):
+            return LazyTensor.from_device(self.graphs.run(host))
         batch = to_device(host, self.device, pin=self.device.type == "cuda")
         return LazyTensor.from_device(self.forward(batch))

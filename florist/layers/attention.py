@@ -54,7 +54,10 @@ def _sdpa_backend() -> AttentionFn:
         groups = q.shape[1] // k.shape[1]
         out = torch.empty_like(q)
         start = 0
-        for n in batch.seq_lens_host:
+        # NOTE: a padded batch (graph bucket) has no host lengths; reading cu_seqlens is free on
+        # the CPU, and on CUDA this backend is never used inside graphs (see "auto").
+        lens = batch.seq_lens_host or batch.cu_seqlens.diff().tolist()
+        for n in lens:
             sl = slice(start, start + n)
             qs, ks, vs = (t[sl].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             if groups > 1:
@@ -93,14 +96,26 @@ def _varlen_backend() -> AttentionFn:
     return attn
 
 
+def _sdpa_one(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    """All T tokens as one sequence: [T, H, D] -> [T, H, D]."""
+    groups = q.shape[1] // k.shape[1]
+    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    if groups > 1:
+        ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale).squeeze(0).transpose(0, 1)
+
+
 @register_backend("auto")
 def _auto_backend() -> AttentionFn:
-    """CUDA default: a single sequence goes to SDPA (cuDNN / flash), a ragged batch to varlen."""
-    sdpa, varlen = _sdpa_backend(), _varlen_backend()
+    """CUDA default, chosen per shape: one sequence goes to SDPA (cuDNN / flash kernels, the
+    fastest for long single inputs), a ragged batch to varlen. A single sequence followed by
+    padding may use SDPA over all tokens only when attention is causal: real tokens then never
+    see the padding that comes after them."""
+    varlen = _varlen_backend()
 
     def attn(q, k, v, batch: RaggedBatch, causal: bool, scale: float) -> torch.Tensor:
-        if batch.num_seqs == 1 and q.shape[0] == batch.seq_lens_host[0]:
-            return sdpa(q, k, v, batch, causal, scale)
+        if batch.single_sequence and (causal or batch.num_seqs == 1):
+            return _sdpa_one(q, k, v, causal, scale)
         return varlen(q, k, v, batch, causal, scale)
 
     return attn

@@ -26,8 +26,8 @@ def pool(hidden: torch.Tensor, batch: RaggedBatch, mode: PoolingMode) -> torch.T
     """hidden [T, H] -> [B, H] (fp32). Tokens whose seq_id is >= B (padding) are ignored."""
     b = batch.num_seqs
     cu = batch.cu_seqlens.long()
-    if mode == "cls":
-        return hidden[cu[:-1]].float()
+    if mode == "cls":  # empty trailing sequences of a padded batch start at T: clamp
+        return hidden[cu[:-1].clamp(max=hidden.shape[0] - 1)].float()
     if mode == "lasttoken":
         return hidden[cu[1:] - 1].float()
     lens = (cu[1:] - cu[:-1]).clamp(min=1).float().unsqueeze(1)

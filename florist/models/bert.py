@@ -80,7 +80,8 @@ class BertClassifierHead(nn.Module):
         self.classifier = ReplicatedLinear(cfg.hidden_size, cfg.num_labels, bias=True)
 
     def forward(self, hidden: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
-        cls = hidden[batch.cu_seqlens[:-1].long()]
+        # Empty trailing sequences of a padded batch start at T: clamp keeps the index valid.
+        cls = hidden[batch.cu_seqlens[:-1].long().clamp(max=hidden.shape[0] - 1)]
         return self.classifier(torch.tanh(self.pooler(cls))).float()
 
 

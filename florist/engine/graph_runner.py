@@ -1,0 +1,102 @@
+"""Whole-model CUDA graphs over bucketed ragged batches, captured lazily.
+
+    bucket(T, B) = (tokens rounded up: to 64 up to 1024 tokens, to 256 above;
+                    sequences: the next power of two >= B + 1, one dummy sequence for padding)
+
+    first sight of a bucket  -> run eagerly on the padded batch (warms kernels and allocators)
+    second sight             -> capture a graph into the shared memory pool, then replay it
+    later                    -> copy the packed inputs into the static buffer, replay
+
+A graph's static state is one `_Graph` object: the packed int32 input buffer the graph reads and
+the output tensor it writes. Padding is harmless by construction: padding tokens belong to a dummy
+sequence whose pooled row is sliced off, and attention never mixes sequences.
+Batches above `max_tokens` run eagerly (there the GPU time dwarfs launch costs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+import torch
+
+from florist.engine.batch import HostBatch, RaggedBatch, pack, views
+
+
+def token_bucket(num_tokens: int) -> int:
+    step = 64 if num_tokens <= 1024 else 256
+    return max(step, -(-num_tokens // step) * step)
+
+
+def seq_bucket(num_seqs: int) -> int:
+    return 1 << num_seqs.bit_length()  # next power of two strictly above num_seqs: room for the dummy
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    static_input: torch.Tensor  # packed int32, see batch.pack
+    output: torch.Tensor  # [seq_bucket, D]
+
+
+class GraphRunner:
+    def __init__(self, forward: Callable[[RaggedBatch], torch.Tensor], device: torch.device, *, max_tokens: int, with_token_types: bool):
+        self.forward, self.device, self.max_tokens = forward, device, max_tokens
+        self.with_types = with_token_types
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.seen: set[tuple[int, int]] = set()
+        self.pool = None
+        self.graph_memory_bytes = 0  # device memory reserved while capturing (reported, not a budget)
+
+    def applies(self, host: HostBatch) -> bool:
+        return host.num_tokens <= self.max_tokens
+
+    def run(self, host: HostBatch) -> torch.Tensor:
+        """Device output rows [:B] of the padded batch; launched, not waited on."""
+        key = (token_bucket(host.num_tokens), seq_bucket(host.num_seqs))
+        host = self._with_token_types(host)
+        packed = torch.from_numpy(pack(host, *key)).pin_memory()
+        entry = self.graphs.get(key)
+        if entry is None and key in self.seen:
+            entry = self._capture(key, packed)
+        if entry is None:
+            self.seen.add(key)
+            batch = self._views(packed.to(self.device, non_blocking=True), key, host.num_seqs == 1)
+            return self.forward(batch)[: host.num_seqs]
+        entry.static_input.copy_(packed, non_blocking=True)
+        entry.graph.replay()
+        return entry.output[: host.num_seqs]
+
+    def _with_token_types(self, host: HostBatch) -> HostBatch:
+        """One graph per bucket serves single texts and pairs alike: BERT always gets token
+        types (zeros for single texts), other families never."""
+        if self.with_types and host.token_type_ids is None:
+            return replace(host, token_type_ids=np.zeros(host.num_tokens, dtype=np.int32))
+        if not self.with_types and host.token_type_ids is not None:
+            return replace(host, token_type_ids=None)
+        return host
+
+    def _views(self, packed: torch.Tensor, key: tuple[int, int], single: bool) -> RaggedBatch:
+        tokens, seqs = key
+        return views(packed, tokens, seqs, self.with_types, max_seqlen=tokens, seq_lens_host=(), single_sequence=single)
+
+    def _capture(self, key: tuple[int, int], packed: torch.Tensor) -> _Graph:
+        static = torch.empty(packed.shape, dtype=torch.int32, device=self.device)
+        static.copy_(packed)
+        # NOTE: a graph captured for a single-sequence batch may use single-sequence attention
+        # (causal SDPA over the padded length); it is only replayed for such batches, since the
+        # sequence bucket of B = 1 is 2 and holds exactly one real sequence plus the dummy.
+        single = key[1] == 2
+        before = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = self.forward(self._views(static, key, single))
+        self.pool = graph.pool()
+        self.graph_memory_bytes += torch.cuda.memory_reserved(self.device) - before
+        entry = _Graph(graph, static, output)
+        self.graphs[key] = entry
+        return entry
+
+    def stats(self) -> dict:
+        return {"graphs": len(self.graphs), "graph_memory_bytes": self.graph_memory_bytes, "max_tokens": self.max_tokens}
