@@ -1,0 +1,249 @@
+"""florist's engine against Hugging Face transformers on the same random weights, in one process.
+
+Scenarios (issue "GPU speed"): batch-1 latency at 128 / 512 / 4096 tokens, 100 x 512 and ragged
+100 x U(32..512) throughput for the Qwen3-0.6B geometry (causal and bidirectional pplx-embed), the
+all-MiniLM-L6-v2 geometry in fp16, a stream of back-to-back step() calls, start-up time, and the
+graph/eager crossover. Outputs are checked (cosine >= 0.999 against transformers) before timing.
+
+    python bench/engine.py                 # everything, prints one table at the end
+    python bench/engine.py --smoke         # tiny models on the CPU: the code path only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from geometries import make_model  # noqa: E402
+
+from florist import Engine  # noqa: E402
+from florist.engine.batch import HostBatch  # noqa: E402
+
+ROWS: list[dict] = []
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def percentiles(ms: list[float]) -> dict:
+    a = np.asarray(ms)
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)), "max": float(a.max()), "n": len(ms)}
+
+
+def time_calls(fn, n: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def record(scenario: str, metric: str, florist_value: float, baseline: float | None, unit: str, extra: dict | None = None):
+    higher_better = unit.endswith("/s")
+    ratio = None
+    if baseline:
+        ratio = florist_value / baseline if higher_better else baseline / florist_value
+    ROWS.append({"scenario": scenario, "metric": metric, "florist": florist_value, "transformers": baseline, "unit": unit, "speedup": ratio, **(extra or {})})
+    b = f"{baseline:10.3f}" if baseline is not None else " " * 10
+    r = f"{ratio:7.2f}x" if ratio is not None else ""
+    print(f"{scenario:42s} {metric:10s} {florist_value:10.3f} {b} {unit:6s} {r}", flush=True)
+
+
+class HFBaseline:
+    """What a user would otherwise run: transformers with SDPA, padded batches."""
+
+    def __init__(self, path: Path, dtype: torch.dtype, device: str, pooling: str, bidirectional: bool):
+        from transformers import AutoModel
+
+        self.model = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+        if bidirectional:
+            for layer in self.model.layers:
+                layer.self_attn.is_causal = False
+        self.device, self.pooling = device, pooling
+
+    @torch.inference_mode()
+    def embed(self, seqs: list[np.ndarray]) -> np.ndarray:
+        n = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), n, dtype=torch.long)
+        mask = torch.zeros(len(seqs), n, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.from_numpy(s.astype(np.int64))
+            mask[i, : len(s)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        kwargs = {"attention_mask": mask} if any(len(s) != n for s in seqs) else {}
+        h = self.model(input_ids=ids, **kwargs).last_hidden_state.float()
+        if self.pooling == "lasttoken":
+            out = h[torch.arange(len(seqs), device=h.device), mask.sum(1) - 1]
+        else:
+            m = mask.unsqueeze(-1).float()
+            out = (h * m).sum(1) / m.sum(1)
+        return out.cpu().numpy()
+
+
+def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
+    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+
+
+def random_seqs(rng, vocab: int, lens: list[int]) -> list[np.ndarray]:
+    return [rng.integers(200, vocab, size=n).astype(np.int32) for n in lens]
+
+
+def florist_embed(engine: Engine, seqs: list[np.ndarray]) -> np.ndarray:
+    return engine.step(HostBatch.from_sequences(seqs)).numpy()
+
+
+def run_geometry(name: str, path: Path, *, dtype, device, pooling, bidirectional, latency_lens, batches, args):
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(path, device=device, dtype=dtype)
+    first = florist_embed(engine, random_seqs(rng, engine.info.vocab_size, [16]))
+    startup_s = time.perf_counter() - t0
+    record(f"{name} start-up to first result", "seconds", startup_s, None, "s")
+    hf = HFBaseline(path, dtype, device, pooling, bidirectional) if not args.no_baseline else None
+    vocab = engine.info.vocab_size
+
+    for n in latency_lens:
+        seqs = random_seqs(rng, vocab, [n])
+        ours = florist_embed(engine, seqs)
+        if hf is not None:
+            ref = hf.embed(seqs)
+            cos = cosine_min(ours, ref)
+            assert cos >= 0.999, f"{name} {n} tokens: cosine {cos} < 0.999 against transformers"
+        f = percentiles(time_calls(lambda: florist_embed(engine, seqs), args.iters, args.warmup))
+        b = percentiles(time_calls(lambda: hf.embed(seqs), args.baseline_iters, 3)) if hf is not None else None
+        record(f"{name} batch 1 x {n} tokens", "p50", f["p50"], b and b["p50"], "ms", {"florist_pct": f, "baseline_pct": b})
+        record(f"{name} batch 1 x {n} tokens", "p99", f["p99"], b and b["p99"], "ms")
+
+    for label, lens in batches:
+        seqs = random_seqs(rng, vocab, lens)
+        ours = florist_embed(engine, seqs)
+        if hf is not None:
+            cos = cosine_min(ours, hf.embed(seqs))
+            assert cos >= 0.999, f"{name} {label}: cosine {cos} < 0.999"
+        f = time_calls(lambda: florist_embed(engine, seqs), max(3, args.iters // 20), 2)
+        b = time_calls(lambda: hf.embed(seqs), max(2, args.baseline_iters // 10), 1) if hf is not None else None
+        f_rate = len(seqs) / (statistics.median(f) / 1e3)
+        b_rate = len(seqs) / (statistics.median(b) / 1e3) if b else None
+        record(f"{name} {label}", "emb/s", f_rate, b_rate, "emb/s")
+    if engine.runner.graphs is not None:
+        stats = engine.runner.graphs.stats()
+        record(f"{name} graphs held", "MiB", stats["graph_memory_bytes"] / 2**20, None, "MiB", stats)
+    return engine
+
+
+def step_stream(engine: Engine, name: str, n_steps: int, shape: tuple[int, int]):
+    """200 back-to-back step() calls: host wall time against the sum of the steps' GPU times."""
+    rng = np.random.default_rng(1)
+    hosts = [HostBatch.from_sequences(random_seqs(rng, engine.info.vocab_size, [shape[1]] * shape[0])) for _ in range(8)]
+    for h in hosts[:3]:
+        engine.step(h).numpy()
+    sync()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n_steps)]
+    lazies = []
+    t = time.perf_counter()
+    for i in range(n_steps):
+        events[i][0].record()
+        lazies.append(engine.step(hosts[i % len(hosts)]))
+        events[i][1].record()
+        if len(lazies) > 2:  # a server keeps two in flight and reads results as they land
+            lazies.pop(0).numpy()
+    for lz in lazies:
+        lz.numpy()
+    wall = (time.perf_counter() - t) * 1e3
+    gpu = sum(a.elapsed_time(b) for a, b in events)
+    record(f"{name} stream {n_steps} x step({shape[0]}x{shape[1]})", "wall/gpu", wall / gpu, None, "ratio", {"wall_ms": wall, "gpu_ms": gpu})
+
+
+def graph_threshold(engine: Engine, name: str, sizes: list[int]):
+    """Batch time replayed from a graph vs eager at growing token counts (8 sequences)."""
+    rng = np.random.default_rng(2)
+    graphs = engine.runner.graphs
+    for tokens in sizes:
+        host = HostBatch.from_sequences(random_seqs(rng, engine.info.vocab_size, [tokens // 8] * 8))
+        saved = graphs.max_tokens
+        graphs.max_tokens = 1 << 30
+        g = statistics.median(time_calls(lambda: engine.step(host).numpy(), 10, 3))
+        graphs.max_tokens = 0
+        e = statistics.median(time_calls(lambda: engine.step(host).numpy(), 10, 3))
+        graphs.max_tokens = saved
+        record(f"{name} graph vs eager, 8 x {tokens // 8}", "ms", g, e, "ms")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny models, CPU, few iterations")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--baseline-iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--only", default="", help="comma list: qwen3,pplx,minilm,stream,threshold")
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--json", default=None, help="write all rows here")
+    args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    want = lambda k: not only or k in only  # noqa: E731
+    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    tmp = Path(tempfile.mkdtemp(prefix="florist-bench-"))
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}")
+    print(f"{'scenario':42s} {'metric':10s} {'florist':>10s} {'transformers':>10s} {'unit':6s} speedup")
+    if args.smoke:
+        args.iters, args.baseline_iters, args.warmup = 5, 2, 1
+        qwen = make_model(tmp / "qwen", "tiny-qwen3", dtype=torch.float32)
+        run_geometry("tiny-qwen3", qwen, dtype=torch.float32, device=device, pooling="lasttoken", bidirectional=False,
+                     latency_lens=[16, 100], batches=[("8 x 32", [32] * 8)], args=args)
+        bert = make_model(tmp / "bert", "tiny-bert", dtype=torch.float32)
+        run_geometry("tiny-bert", bert, dtype=torch.float32, device=device, pooling="mean", bidirectional=False,
+                     latency_lens=[16], batches=[("8 x 32", [32] * 8)], args=args)
+    else:
+        rng = np.random.default_rng(3)
+        ragged = [int(x) for x in rng.integers(32, 513, size=100)]
+        if want("qwen3") or want("stream") or want("threshold"):
+            qwen = make_model(tmp / "qwen3", "qwen3-0.6b")
+        if want("qwen3"):
+            engine = run_geometry("qwen3-0.6b causal", qwen, dtype=torch.bfloat16, device=device, pooling="lasttoken", bidirectional=False,
+                                  latency_lens=[128, 512, 4096], batches=[("100 x 512", [512] * 100), ("100 x U(32..512)", ragged)], args=args)
+        else:
+            engine = Engine.from_pretrained(qwen, device=device)
+        if want("stream"):
+            step_stream(engine, "qwen3-0.6b", 200, (8, 512))
+        if want("threshold"):
+            graph_threshold(engine, "qwen3-0.6b", [1024, 2048, 4096, 8192, 16384])
+        del engine
+        if want("pplx"):
+            pplx = make_model(tmp / "pplx", "qwen3-0.6b", variant="pplx")
+            e = run_geometry("pplx-embed-0.6b bidirectional", pplx, dtype=torch.bfloat16, device=device, pooling="mean", bidirectional=True,
+                             latency_lens=[128, 512, 4096], batches=[("100 x 512", [512] * 100)], args=args)
+            del e
+        if want("minilm"):
+            minilm = make_model(tmp / "minilm", "minilm-l6", dtype=torch.float16)
+            e = run_geometry("all-MiniLM-L6-v2 fp16", minilm, dtype=torch.float16, device=device, pooling="mean", bidirectional=False,
+                             latency_lens=[128], batches=[("100 x 256", [256] * 100)], args=args)
+            if want("threshold"):
+                graph_threshold(e, "minilm", [1024, 4096, 16384, 32768])
+    if args.json:
+        Path(args.json).write_text(json.dumps(ROWS, indent=1, default=str))
+    print("\n== summary ==")
+    for r in ROWS:
+        s = f"{r['speedup']:.2f}x" if r["speedup"] else ""
+        b = f"{r['transformers']:.3f}" if r["transformers"] is not None else "-"
+        print(f"{r['scenario']:48s} {r['metric']:9s} florist {r['florist']:10.3f}  transformers {b:>10s} {r['unit']:6s} {s}")
+
+
+if __name__ == "__main__":
+    main()

