@@ -208,6 +208,20 @@ def _silu_and_mul_nonfinite(dtype):
     return case
 
 
+def _empty_batch(g: Inputs, big: bool):
+    """T = 0 (an idle step) launches nothing and returns empty outputs of the right shape."""
+    x, w, b = g.randn(0, 384), g.randn(384), g.randn(384)
+    assert_matches(norms.rms_norm_triton(x, w, EPS), norms.rms_norm_ref(x, w, EPS))
+    for a, e in zip(norms.add_rms_norm_triton(x, x, w, EPS), norms.add_rms_norm_ref(x, x, w, EPS)):
+        assert_matches(a, e)
+    assert_matches(norms.add_layer_norm_triton(x, x, w, b, EPS), norms.add_layer_norm_ref(x, x, w, b, EPS))
+    assert_matches(activation.silu_and_mul_triton(x), activation.silu_and_mul_ref(x))
+    q, k, cache = g.randn(0, 4, 8), g.randn(0, 2, 8), cos_sin_cache(16, 8, g.device)
+    positions, qw = g.positions(0, 16), g.randn(8)
+    for a, e in zip(rotary.qk_norm_rope_triton(q, k, qw, qw, EPS, positions, cache), rotary.qk_norm_rope_ref(q, k, qw, qw, EPS, positions, cache)):
+        assert_matches(a, e)
+
+
 def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
     cases: dict[str, Callable] = {}
     for (name, dtype), cols in itertools.product(DTYPES.items(), (7, 384, 1000, 1024)):
@@ -231,6 +245,7 @@ def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
     # Mixed dtypes: bf16 activations with fp32 weights promote the output to fp32, as `weight * x` does.
     cases["rms_norm-bf16-fp32-weight"] = _rms_norm(torch.bfloat16, 384, weight_dtype=torch.float32)
     cases["qk_norm_rope-bf16-fp32-weight"] = _rotary(torch.bfloat16, 128, norm=True, weight_dtype=torch.float32)
+    cases["empty-batch"] = _empty_batch
     return cases
 
 

@@ -42,6 +42,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"expected [T, 2*I], got {tuple(x.shape)}"
     assert x.dtype in _FLOAT_DTYPES and x.stride(1) == 1, f"unsupported input: {x.dtype}, strides {x.stride()}"
+    # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
+    assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
+        f"tensors are on {x.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({x.device}) first"
+    )
     num_tokens, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((num_tokens, inter), dtype=x.dtype, device=x.device)
     if out.numel() == 0:

@@ -88,6 +88,8 @@ def _triton_applies(x: torch.Tensor, weight: torch.Tensor | None, residual: torc
         return False
     if triton.next_power_of_2(x.shape[-1]) > _MAX_BLOCK_COLS:
         return False
+    if any(t.device != x.device for t in (weight, residual, bias) if t is not None):
+        return False
     if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape or residual.stride(-1) != 1):
         return False  # mixed-dtype or broadcast sums: the reference's promotion rules apply
     return all(
@@ -147,6 +149,10 @@ def _check_rows(x, residual, weight):
     assert x.dim() in (2, 3), f"expected [T, H] or [T, heads, head_dim], got {tuple(x.shape)}"
     assert x.dtype in _FLOAT_DTYPES and weight.dtype in _FLOAT_DTYPES, f"unsupported dtypes {x.dtype}, {weight.dtype}"
     assert x.stride(-1) == 1, f"the normalised dim must be contiguous; strides {x.stride()}"
+    # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
+    assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
+        f"tensors are on {x.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({x.device}) first"
+    )
     assert weight.shape == (x.shape[-1],) and weight.stride(0) == 1, f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1, (

@@ -81,6 +81,8 @@ def _triton_applies(q, k, positions, cache, q_weight=None, k_weight=None) -> boo
         return False
     if q.stride(2) != 1 or k.stride(2) != 1 or positions.dim() != 1 or positions.shape[0] != q.shape[0]:
         return False
+    if any(t.device != q.device for t in (k, positions, cache, q_weight, k_weight) if t is not None):
+        return False
     if positions.dtype not in (torch.int32, torch.int64) or cache.dtype != torch.float32:
         return False
     if cache.dim() != 2 or cache.shape[1] != q.shape[2] or cache.stride(1) != 1:
@@ -107,21 +109,25 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
 
 
 def _launch(q, k, q_weight, k_weight, eps, positions, cache):
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
-    assert q.dim() == 3 and k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, (
+    assert q.dim() == 3 and k.dim() == 3 and k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2], (
         f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, head_dim] with the same T and head_dim"
     )
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
     assert head_dim % 2 == 0 and q.stride(2) == 1 and k.stride(2) == 1, f"head_dim must be even and contiguous; strides {q.stride()}, {k.stride()}"
     assert q.dtype == k.dtype and q.dtype in _FLOAT_DTYPES, f"unsupported dtypes {q.dtype}, {k.dtype}"
     assert positions.shape == (num_tokens,) and positions.dtype in (torch.int32, torch.int64), f"positions {tuple(positions.shape)} {positions.dtype}"
     assert cache.dtype == torch.float32 and cache.dim() == 2 and cache.shape[1] == head_dim and cache.stride(1) == 1, (
         f"cos_sin_cache must be fp32 [P, {head_dim}]; got {cache.dtype} {tuple(cache.shape)}"
     )
+    # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
+    assert not q.is_cuda or q.device.index == torch.cuda.current_device(), (
+        f"tensors are on {q.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({q.device}) first"
+    )
     norm = q_weight is not None
     out_dtype = q.dtype
     if norm:
-        assert q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,) and q_weight.dtype == k_weight.dtype, (
+        assert q_weight.shape == k_weight.shape == (head_dim,) and q_weight.dtype == k_weight.dtype and q_weight.stride(0) == k_weight.stride(0) == 1, (
             f"QK-norm weights {tuple(q_weight.shape)}, {tuple(k_weight.shape)} must both be [{head_dim}] of one dtype"
         )
         # The reference's rms_norm returns promote(x, weight) (`weight * x`), and rotary keeps that dtype.
