@@ -109,14 +109,14 @@ def florist_embed(engine: Engine, seqs: list[np.ndarray]) -> np.ndarray:
     return engine.step(HostBatch.from_sequences(seqs)).numpy()
 
 
-def run_geometry(name: str, path: Path, *, dtype, device, pooling, bidirectional, latency_lens, batches, args):
+def run_geometry(name: str, path: Path, *, dtype, device, pooling, bidirectional, latency_lens, batches, args, baseline_path: Path | None = None):
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(path, device=device, dtype=dtype)
     first = florist_embed(engine, random_seqs(rng, engine.info.vocab_size, [16]))
     startup_s = time.perf_counter() - t0
     record(f"{name} start-up to first result", "seconds", startup_s, None, "s")
-    hf = HFBaseline(path, dtype, device, pooling, bidirectional) if not args.no_baseline else None
+    hf = HFBaseline(baseline_path or path, dtype, device, pooling, bidirectional) if not args.no_baseline else None
     vocab = engine.info.vocab_size
 
     for n in latency_lens:
@@ -186,6 +186,22 @@ def graph_threshold(engine: Engine, name: str, sizes: list[int]):
         record(f"{name} graph vs eager, 8 x {tokens // 8}", "ms", g, e, "ms")
 
 
+def profile(engine: Engine, name: str, shapes: list[list[int]], iters: int = 10):
+    """Top device kernels per step for a few shapes (graph replays show their kernels too)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    rng = np.random.default_rng(4)
+    for lens in shapes:
+        host = HostBatch.from_sequences(random_seqs(rng, engine.info.vocab_size, lens))
+        for _ in range(3):
+            engine.step(host).numpy()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                engine.step(host).numpy()
+        print(f"\n== profile {name} {len(lens)} x {lens[0]} ({iters} steps) ==")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny models, CPU, few iterations")
@@ -213,13 +229,15 @@ def main():
     else:
         rng = np.random.default_rng(3)
         ragged = [int(x) for x in rng.integers(32, 513, size=100)]
-        if want("qwen3") or want("stream") or want("threshold"):
+        if want("qwen3") or want("stream") or want("threshold") or want("profile"):
             qwen = make_model(tmp / "qwen3", "qwen3-0.6b")
         if want("qwen3"):
             engine = run_geometry("qwen3-0.6b causal", qwen, dtype=torch.bfloat16, device=device, pooling="lasttoken", bidirectional=False,
                                   latency_lens=[128, 512, 4096], batches=[("100 x 512", [512] * 100), ("100 x U(32..512)", ragged)], args=args)
         else:
             engine = Engine.from_pretrained(qwen, device=device)
+        if want("profile"):
+            profile(engine, "qwen3-0.6b", [[128], [512] * 100])
         if want("stream"):
             step_stream(engine, "qwen3-0.6b", 200, (8, 512))
         if want("threshold"):
@@ -227,8 +245,18 @@ def main():
         del engine
         if want("pplx"):
             pplx = make_model(tmp / "pplx", "qwen3-0.6b", variant="pplx")
+            # transformers does not know model_type bidirectional_pplx_qwen3: its baseline reads a
+            # twin directory that calls the same weights plain qwen3 (made non-causal in HFBaseline).
+            pplx_hf = tmp / "pplx-hf"
+            pplx_hf.mkdir()
+            for f in pplx.iterdir():
+                if f.is_file() and f.name != "config.json":
+                    (pplx_hf / f.name).symlink_to(f)
+            cfg = json.loads((pplx / "config.json").read_text())
+            cfg.update(model_type="qwen3", architectures=["Qwen3Model"])
+            (pplx_hf / "config.json").write_text(json.dumps(cfg))
             e = run_geometry("pplx-embed-0.6b bidirectional", pplx, dtype=torch.bfloat16, device=device, pooling="mean", bidirectional=True,
-                             latency_lens=[128, 512, 4096], batches=[("100 x 512", [512] * 100)], args=args)
+                             latency_lens=[128, 512, 4096], batches=[("100 x 512", [512] * 100)], args=args, baseline_path=pplx_hf)
             del e
         if want("minilm"):
             minilm = make_model(tmp / "minilm", "minilm-l6", dtype=torch.float16)

@@ -23,7 +23,7 @@ GEOMETRIES = {
                       vocab_size=30522, max_position_embeddings=512),
     "tiny-qwen3": dict(family="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=32, intermediate_size=128, vocab_size=1000, max_position_embeddings=8192),
-    "tiny-bert": dict(family="bert", hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+    "tiny-bert": dict(family="bert", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
                       vocab_size=1000, max_position_embeddings=512),
 }
 

@@ -46,7 +46,8 @@ def make_tokenizer(path: Path, kind: str) -> None:
     tok.save(str(path / "tokenizer.json"))
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512, "pad_token": "[PAD]", "unk_token": "[UNK]"}
     if kind == "bert":
-        cfg.update(cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+        # Real BERT tokenizers return token types; say so, or pairs reach the model without them.
+        cfg.update(cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]", model_input_names=["input_ids", "token_type_ids", "attention_mask"])
     else:
         cfg.update(eos_token="<|endoftext|>")
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -80,9 +81,9 @@ def make_bert_embedder(path: Path, *, pooling: str = "mean", normalize: bool = T
 
     make_tokenizer(path, "bert")
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=vocab_size(path), hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=128)
+    cfg = BertConfig(vocab_size=vocab_size(path), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=128)
     BertModel(cfg, add_pooling_layer=False).eval().save_pretrained(path)
-    _st_files(path, pooling, normalize, max_len, prompts={"query": "query : ", "document": ""}, dim=48)
+    _st_files(path, pooling, normalize, max_len, prompts={"query": "query : ", "document": ""}, dim=64)
     return path
 
 
@@ -92,7 +93,7 @@ def make_bert_cross_encoder(path: Path, *, num_labels: int = 1, seed: int = 0) -
 
     make_tokenizer(path, "bert")
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=vocab_size(path), hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=128, num_labels=num_labels)
+    cfg = BertConfig(vocab_size=vocab_size(path), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=128, num_labels=num_labels)
     BertForSequenceClassification(cfg).eval().save_pretrained(path)
     return path
 

@@ -119,9 +119,9 @@ def test_sharded_checkpoint_and_dense(tmp_path, bert_dir):
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     dense = path / "2_Dense"
     dense.mkdir()
-    (dense / "config.json").write_text(json.dumps({"in_features": 48, "out_features": 16, "bias": True, "activation_function": "torch.nn.modules.activation.Tanh"}))
+    (dense / "config.json").write_text(json.dumps({"in_features": 64, "out_features": 16, "bias": True, "activation_function": "torch.nn.modules.activation.Tanh"}))
     g = torch.Generator().manual_seed(1)
-    save_file({"linear.weight": torch.randn(16, 48, generator=g), "linear.bias": torch.randn(16, generator=g)}, str(dense / "model.safetensors"))
+    save_file({"linear.weight": torch.randn(16, 64, generator=g), "linear.bias": torch.randn(16, generator=g)}, str(dense / "model.safetensors"))
     modules = json.loads((path / "modules.json").read_text())
     modules[-1].update(idx=3, name="3")  # Normalize moves behind the Dense module
     modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})

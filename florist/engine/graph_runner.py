@@ -88,6 +88,7 @@ class GraphRunner:
         # (causal SDPA over the padded length); it is only replayed for such batches, since the
         # sequence bucket of B = 1 is 2 and holds exactly one real sequence plus the dummy.
         single = key[1] == 2
+        torch.cuda.empty_cache()  # capture empties the cache anyway; measure from the same point
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

@@ -53,7 +53,7 @@ def default_graph_max_tokens(cfg: ModelConfig) -> int:
 class ModelRunner:
     def __init__(self, model_dir: ModelDir, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, graph_max_tokens: int | None = None):
         self.model_dir, self.device, self.dtype = model_dir, device, dtype
-        backend = select_backend(attention_backend, device)
+        backend = select_backend(attention_backend, device, model_dir.config.head_dim)
         previous = torch.get_default_dtype()
         try:
             torch.set_default_dtype(dtype)
@@ -64,7 +64,7 @@ class ModelRunner:
         self._load()
         self.model.eval()
         self.graphs: GraphRunner | None = None
-        if device.type == "cuda" and graph_max_tokens != 0:
+        if device.type == "cuda" and graph_max_tokens != 0 and getattr(backend, "capturable", True):
             self.graphs = GraphRunner(
                 self.forward, device,
                 max_tokens=graph_max_tokens or default_graph_max_tokens(model_dir.config),

@@ -38,9 +38,11 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def select_backend(name: str | None, device: torch.device) -> AttentionFn:
+def select_backend(name: str | None, device: torch.device, head_dim: int = 128) -> AttentionFn:
+    """None picks "auto" on CUDA and "sdpa" elsewhere. FlashAttention needs head_dim % 8 == 0;
+    other head sizes take "sdpa" (which is not capturable in graphs: `capturable` says so)."""
     if name is None:
-        name = "auto" if device.type == "cuda" else "sdpa"
+        name = "auto" if device.type == "cuda" and head_dim % 8 == 0 else "sdpa"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {available_backends()}")
     return _BACKENDS[name]()
@@ -69,6 +71,7 @@ def _sdpa_backend() -> AttentionFn:
             out[start:] = 0  # tokens outside every sequence (padding) get a defined value
         return out
 
+    attn.capturable = False  # reads sequence lengths on the host
     return attn
 
 
