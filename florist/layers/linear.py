@@ -18,9 +18,10 @@ from torch import nn
 from florist.distributed import all_reduce, tp_rank, tp_size
 
 
-def _divide(numerator: int, denominator: int) -> int:
+def _divide(numerator: int, denominator: int, what: str = "a layer size") -> int:
     if numerator % denominator:
-        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
+        raise ValueError(f"{what} {numerator} is not divisible by the tensor-parallel size {denominator}; "
+                         "pick a tensor-parallel size that divides it")
     return numerator // denominator
 
 
@@ -59,14 +60,16 @@ class ReplicatedLinear(LinearBase):
 
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, _divide(output_size, tp_size()), bias, tp_dim=0)
+        super().__init__(input_size, _divide(output_size, tp_size(), "output size"), bias, tp_dim=0)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Column-parallel outputs `output_sizes` stacked in one weight; shard_id indexes them."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
-        self.output_sizes = list(output_sizes)
+        # Each part is split on its own (rank r owns rows r/tp of gate AND of up), so each part,
+        # not just the sum, must divide evenly.
+        self.output_sizes = [_divide(size, tp_size(), "fused output part") * tp_size() for size in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
@@ -82,8 +85,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False):
         tp = tp_size()
         self.head_dim = head_dim
-        self.num_heads = _divide(total_num_heads, tp)
-        self.num_kv_heads = _divide(total_num_kv_heads, tp)
+        self.num_heads = _divide(total_num_heads, tp, "the number of attention heads")
+        self.num_kv_heads = _divide(total_num_kv_heads, tp, "the number of key/value heads")
         super().__init__(hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_dim, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
@@ -95,7 +98,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(_divide(input_size, tp_size()), output_size, bias, tp_dim=1)
+        super().__init__(_divide(input_size, tp_size(), "input size"), output_size, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added on one rank only, so the all-reduce adds it exactly once.

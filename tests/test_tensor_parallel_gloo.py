@@ -1,0 +1,109 @@
+"""Tensor parallelism for real: 2 processes on gloo (CPU), the actual layers and collectives.
+
+Weights and hidden states are small integers, so every logit is an exact integer in bf16 and fp32
+(sums stay far below 2^8) and the sharded result must equal the unsharded one bit for bit; ties are
+everywhere, and some rows are steered so the winner sits at a shard edge, in rank 1 or at NaN/inf.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from florist.distributed import destroy_tensor_parallel, init_tensor_parallel
+from florist.layers.embedding import ParallelLMHead, VocabParallelEmbedding, pad_vocab
+from florist.layers.linear import ColumnParallelLinear, RowParallelLinear
+from florist.layers.logits_processor import LogitsProcessor
+
+WORLD_SIZE = 2
+HIDDEN = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lm_weight(vocab: int, dtype: torch.dtype, g: torch.Generator, special: bool) -> torch.Tensor:
+    """Finite: feature 0 ties everywhere (0), feature 1 puts the max (3) at both sides of the
+    shard edge S and at the last real id, features 2.. are random in {-1, 0, 1}.
+    Special (hidden all positive): +inf at ids 3 (rank 0) and S+1, NaN (+inf - inf) at S+2 and
+    S+5 (rank 1), so the first NaN must beat rank 0's +inf."""
+    size = pad_vocab(vocab, WORLD_SIZE) // WORLD_SIZE
+    w = torch.randint(-1, 2, (vocab, HIDDEN), generator=g).float()
+    w[:, 0] = 0
+    w[:, 1] = -1
+    w[[size - 1, size, vocab - 1], 1] = 3
+    if special:
+        w[[3, size + 1, size + 2, size + 5], 2] = float("inf")
+        w[[size + 2, size + 5], 3] = float("-inf")
+    return w.to(dtype)
+
+
+def _hidden(rows: int, dtype: torch.dtype, g: torch.Generator, special: bool) -> torch.Tensor:
+    h = torch.randint(1, 3, (rows, HIDDEN), generator=g).float()
+    if not special:  # special rows keep every feature positive (0 * inf would be NaN everywhere)
+        h[::2, 1] = 0  # even rows: no steering; odd rows: the shard-edge tie decides
+        h[::3, 2:] = 0  # every third row: all-zero logits but the steering, or all ties
+    return h.to(dtype)
+
+
+def _check_lm_head(vocab: int, dtype: torch.dtype, rank: int) -> None:
+    g = torch.Generator().manual_seed(vocab)  # the same weights and hidden on every rank
+    for special, soft_cap, scale in ((False, None, 1.0), (True, None, 1.0), (False, 2.0, 0.5), (True, 2.0, 0.5)):
+        full_weight = _lm_weight(vocab, dtype, g, special)
+        head = ParallelLMHead(vocab, HIDDEN).to(dtype)
+        head.weight_loader(head.weight, full_weight)
+        proc = LogitsProcessor(head, vocab, soft_cap=soft_cap, scale=scale)
+        for rows in range(1, 9):
+            hidden = _hidden(rows, dtype, g, special)
+            expected = F.linear(hidden, full_weight)
+            if soft_cap is not None:
+                expected = torch.tanh(expected / soft_cap) * soft_cap
+            expected = expected * scale
+            logits = proc.compute_logits(hidden)
+            where = f"rank {rank}, vocab {vocab}, {dtype}, rows {rows}, soft_cap {soft_cap}, special {special}"
+            assert logits.shape == (rows, vocab), where
+            torch.testing.assert_close(logits, expected, rtol=0, atol=0, equal_nan=True, msg=where)
+            top = proc.get_top_tokens(hidden)
+            assert torch.equal(top, torch.argmax(logits, -1)), f"{where}: {top.tolist()} vs {torch.argmax(logits, -1).tolist()}"
+            assert torch.equal(top, torch.argmax(expected, -1)), where
+
+
+def _check_embedding_and_linears(rank: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    vocab = 1001
+    table = torch.randint(-3, 4, (vocab, HIDDEN), generator=g).float()
+    emb = VocabParallelEmbedding(vocab, HIDDEN)
+    emb.weight_loader(emb.weight, table)
+    ids = torch.tensor([0, 1, 511, 512, 1000, 700, 3], dtype=torch.int32)  # 512 = rank 1's first id
+    assert torch.equal(emb(ids), table[ids.long()]), f"rank {rank}: VocabParallelEmbedding"
+
+    w_up, b_up = torch.randint(-2, 3, (12, HIDDEN), generator=g).float(), torch.randint(-2, 3, (12,), generator=g).float()
+    w_down, b_down = torch.randint(-2, 3, (HIDDEN, 12), generator=g).float(), torch.randint(-2, 3, (HIDDEN,), generator=g).float()
+    up, down = ColumnParallelLinear(HIDDEN, 12, bias=True), RowParallelLinear(12, HIDDEN, bias=True)
+    for layer, w, b in ((up, w_up, b_up), (down, w_down, b_down)):
+        layer.weight.weight_loader(layer.weight, w)
+        layer.bias.weight_loader(layer.bias, b)
+    x = torch.randint(-2, 3, (5, HIDDEN), generator=g).float()
+    assert torch.equal(down(up(x)), F.linear(F.linear(x, w_up, b_up), w_down, b_down)), f"rank {rank}: column -> row linear"
+
+
+def _worker(rank: int, port: int) -> None:
+    torch.set_num_threads(1)
+    init_tensor_parallel(rank, WORLD_SIZE, init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+    try:
+        _check_embedding_and_linears(rank)
+        for vocab in (131072, 32001):
+            for dtype in (torch.float32, torch.bfloat16):
+                _check_lm_head(vocab, dtype, rank)
+    finally:
+        destroy_tensor_parallel()
+
+
+def test_two_ranks_on_gloo():
+    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
