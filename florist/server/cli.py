@@ -1,0 +1,89 @@
+"""`florist engine-server`: serve one model over gRPC (florist/server/florist.proto).
+
+    florist engine-server [--model PATH] [--port 50051] [--device cuda:0] [--max-batch-tokens N]
+    python -m florist.server [same arguments]
+
+Follows florist.cli's convention (a module with add_arguments(parser) and run(args) -> int);
+`add_engine_server_parser` / `run_engine_server` are the same for other argparse set-ups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+HELP = "serve a model to the gateway over gRPC (pre-tokenized requests, batched on the device)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from florist.server.service import ServerConfig
+
+    d = ServerConfig()
+    p.add_argument("--model", default=None, help="model directory (default: all-MiniLM-L6-v2 from its wheel)")
+    p.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host})")
+    p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port}; 0: any free port, printed at start)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--task", default=None, choices=["embed", "score"], help="override the task read from the model directory")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help=f"token budget of one batch (default {d.max_batch_tokens})")
+    p.add_argument("--max-batch-seqs", type=int, default=d.max_batch_seqs, help=f"sequences in one batch at most (default {d.max_batch_seqs})")
+    p.add_argument("--max-pending-tokens", type=int, default=d.max_pending_tokens, help=f"queued tokens beyond which requests get RESOURCE_EXHAUSTED (default {d.max_pending_tokens})")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (default: off)")
+    p.add_argument("--spin-ms", type=float, default=d.spin_ms, help=f"poll a launched batch this long before waiting in a thread (default {d.spin_ms})")
+
+
+def add_engine_server_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("engine-server", help=HELP, description=HELP)
+    add_arguments(p)
+    p.set_defaults(_module=__name__)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from florist import Engine
+    from florist.engine.batch import HostBatch
+    from florist.server.service import ServerConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task)
+    # Warm up (device context, kernels, allocator) so the first request does not pay for it.
+    engine.step(HostBatch.from_sequences([[0] * 8], [4] if engine.info.task == "score" else None)).numpy()
+    config = ServerConfig(
+        host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,
+        max_pending_tokens=args.max_pending_tokens, metrics_port=args.metrics_port, spin_ms=args.spin_ms,
+    )
+    asyncio.run(_serve(engine, config))
+    return 0
+
+
+run_engine_server = run
+
+
+async def _serve(engine, config) -> None:
+    from florist.server.service import _hostport, start_server
+
+    running = await start_server(engine, config)
+    info = engine.info
+    metrics = f", metrics on http://{_hostport(config.host, running.metrics_port)}/metrics" if running.metrics_port else ""
+    # NOTE: scripts (bench/server.py) read the port from this line; keep "listening on HOST:PORT".
+    print(f"florist engine-server: {info.model_name} ({info.task}, {info.device}, {info.dtype}) listening on {_hostport(config.host, running.port)}{metrics}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await running.stop(grace=5.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="florist engine-server", description=HELP)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:  # InputError / UnsupportedModelError: a message for a person
+        print(f"florist engine-server: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,264 @@
+"""The gRPC servicer (grpc.aio) and server start-up.
+
+A request's path: decode and check the flat ids (wire.py) -> the batcher queues its sequences
+and hands back the raw model rows -> the request's own options (dimensions, normalize,
+encoding, raw scores) are applied with the same functions the embedded API uses
+(florist.engine.output), so a server response equals `Engine.embed` / `Engine.score` output for
+the same ids. Errors map to status codes once, here:
+
+    InputError (bad ids, lengths, options, wrong task)   INVALID_ARGUMENT
+    Overloaded (pending-token bound reached)             RESOURCE_EXHAUSTED
+    DeadlineExpired (deadline passed while queued)       DEADLINE_EXCEEDED
+    an engine failure                                    INTERNAL
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from florist.engine.output import check_output_options, finalize_embeddings, finalize_scores
+from florist.server import proto, wire
+from florist.server.batcher import Batcher, DeadlineExpired
+from florist.server.metrics import ServerMetrics
+from florist.server.scheduler import Overloaded, Scheduler
+from florist.text import InputError
+
+# Request messages are bounded by max_pending_tokens (12 bytes per token at most: id, and per
+# sequence a length and a first-segment length); responses are not bounded here.
+_MESSAGE_SLACK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port (RunningServer.port says which)
+    max_batch_tokens: int = 16384
+    max_batch_seqs: int = 256
+    max_pending_tokens: int = 1 << 20
+    max_in_flight: int = 2
+    metrics_port: int | None = None
+    launch: str | None = None  # None: "inline" on CUDA, "thread" on CPU (see batcher.py)
+    spin_ms: float = 2.0  # poll a launched batch this long, then wait for it in a thread
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class InferenceService:
+    def __init__(self, engine, batcher: Batcher, config: ServerConfig, metrics: ServerMetrics):
+        self.engine, self.batcher, self.config, self.metrics = engine, batcher, config, metrics
+        self.info = engine.info
+        self.serving = True
+        self._info_response = self._make_info()
+
+    def _make_info(self):
+        i = self.info
+        sha = hashlib.sha256(Path(i.tokenizer).read_bytes()).hexdigest() if Path(i.tokenizer).is_file() else ""
+        return proto.InfoResponse(
+            model_name=i.model_name, family=i.family, task=i.task, dimensions=i.dimensions,
+            max_input_tokens=i.max_input_tokens, vocab_size=i.vocab_size, dtype=i.dtype, device=i.device,
+            pooling=list(i.pooling), normalize=i.normalize,
+            prompts=[proto.Prompt(name=k, text=v) for k, v in i.prompts.items()],
+            default_prompt_name=i.default_prompt_name or "", score_activation=i.score_activation,
+            native_int8=i.native_int8, tokenizer=i.tokenizer, tokenizer_sha256=sha,
+            max_batch_tokens=self.config.max_batch_tokens, max_batch_sequences=self.config.max_batch_seqs,
+            max_pending_tokens=self.config.max_pending_tokens,
+        )
+
+    # -- RPCs ----------------------------------------------------------------------------------
+    async def Embed(self, request, context):
+        return await self._handle("Embed", self._embed, request, context)
+
+    async def Score(self, request, context):
+        return await self._handle("Score", self._score, request, context)
+
+    async def Health(self, request, context):
+        status = proto.HealthResponse.SERVING if self.serving else proto.HealthResponse.NOT_SERVING
+        s = self.batcher.scheduler
+        return proto.HealthResponse(status=status, pending_sequences=s.pending_seqs, pending_tokens=s.pending_tokens, batches_in_flight=len(self.batcher.in_flight))
+
+    async def Info(self, request, context):
+        return self._info_response
+
+    # -- implementation ------------------------------------------------------------------------
+    async def _handle(self, method: str, impl, request, context):
+        started, code = time.perf_counter(), "OK"
+        try:
+            return await impl(request, context)
+        except _Abort as e:
+            code = e.code.name
+            await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "UNKNOWN"
+            raise
+        finally:
+            self.metrics.observe_request(method, code, time.perf_counter() - started)
+
+    async def _embed(self, request, context):
+        i = self.info
+        try:
+            self._require("embed", "Embed", "Score")
+            wire.check_known_fields(request, "EmbedRequest")
+            ids, lens = self._tokens(request.tokens)
+            if request.dimensions < 0:
+                raise InputError(f"dimensions must be >= 1 (0 means the model's full size {i.dimensions}); got {request.dimensions}")
+            dimensions = request.dimensions or None
+            encoding = request.encoding or "float"
+            check_output_options(i.dimensions, dimensions, encoding, i.native_int8)
+        except InputError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        normalize = request.normalize if request.HasField("normalize") else i.normalize
+        rows = await self._run(ids, lens, None, context)
+        out = finalize_embeddings(rows, dimensions=dimensions, normalize=normalize, encoding=encoding)
+        return proto.EmbedResponse(embeddings=wire.encode_matrix(out, proto.Matrix), num_tokens=ids.size)
+
+    async def _score(self, request, context):
+        try:
+            self._require("score", "Score", "Embed")
+            wire.check_known_fields(request, "ScoreRequest")
+            ids, lens = self._tokens(request.tokens)
+            first = wire.decode_first_segment_lens(request.first_segment_lens, lens)
+        except InputError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        rows = await self._run(ids, lens, first, context)
+        out = finalize_scores(rows, self.info.score_activation, raw=request.raw)
+        return proto.ScoreResponse(scores=wire.encode_matrix(np.asarray(out, dtype=np.float32), proto.Matrix), num_tokens=ids.size)
+
+    def _require(self, task: str, method: str, other: str) -> None:
+        if self.info.task != task:
+            what = {"embed": "an embedding model", "score": "a cross-encoder or reranker"}[task]
+            raise InputError(f"{method} needs {what}; {self.info.model_name} is served for {self.info.task}: call {other}")
+
+    def _tokens(self, tokens):
+        wire.check_known_fields(tokens, "TokenBatch")
+        ids, lens = wire.decode_tokens(tokens, vocab_size=self.info.vocab_size, max_seq_len=self.info.max_input_tokens)
+        if ids.size > self.config.max_pending_tokens:
+            raise InputError(
+                f"the request has {ids.size} tokens, more than this server ever queues (max_pending_tokens = "
+                f"{self.config.max_pending_tokens}); split it into smaller requests"
+            )
+        return ids, lens
+
+    async def _run(self, ids, lens, first, context) -> np.ndarray:
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        try:
+            return await self.batcher.run(ids, lens, first, deadline)
+        except Overloaded as e:
+            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        except DeadlineExpired as e:
+            raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
+        except RuntimeError as e:
+            raise _Abort(grpc.StatusCode.INTERNAL, str(e)) from None
+
+
+class RunningServer:
+    """A started server on the current event loop: `port`, `stop()`, `wait_for_termination()`."""
+
+    def __init__(self, server, service: InferenceService, batcher: Batcher, port: int, metrics: ServerMetrics, metrics_http=None):
+        self.server, self.service, self.batcher, self.port = server, service, batcher, port
+        self.metrics, self.metrics_http = metrics, metrics_http
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_http.server_port if self.metrics_http is not None else None
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        self.service.serving = False
+        await self.server.stop(grace)
+        await self.batcher.stop()
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def start_server(engine, config: ServerConfig = ServerConfig()) -> RunningServer:
+    """Start serving `engine` on the running event loop."""
+    metrics = ServerMetrics()
+    scheduler = Scheduler(config.max_batch_tokens, config.max_batch_seqs, config.max_pending_tokens)
+    batcher = Batcher(engine, scheduler, metrics, max_in_flight=config.max_in_flight, launch=config.launch, spin_s=config.spin_ms / 1e3)
+    metrics.watch(lambda: scheduler.pending_seqs, lambda: scheduler.pending_tokens, lambda: len(batcher.in_flight))
+    service = InferenceService(engine, batcher, config, metrics)
+    max_request = 12 * config.max_pending_tokens + _MESSAGE_SLACK_BYTES
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_request), ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)])
+    proto.add_servicer(server, service)
+    port = server.add_insecure_port(_hostport(config.host, config.port))
+    if port == 0:
+        raise OSError(f"cannot listen on {_hostport(config.host, config.port)} (in use?); pick another --port")
+    batcher.start()
+    await server.start()
+    metrics_http = metrics.serve(config.metrics_port, config.host) if config.metrics_port is not None else None
+    return RunningServer(server, service, batcher, port, metrics, metrics_http)
+
+
+class ServerThread:
+    """A server on its own event loop in a background thread (tests, benchmarks, notebooks).
+
+        with ServerThread(engine, ServerConfig(port=0)) as srv:
+            ... InferenceClient(srv.address) ...
+    """
+
+    def __init__(self, engine, config: ServerConfig = ServerConfig(port=0)):
+        self.engine, self.config = engine, config
+        self.running: RunningServer | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="florist-server", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return _hostport(self.config.host, self.running.port)
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stopping.set)
+            self._thread.join()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _main(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            self.running = await start_server(self.engine, self.config)
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        await self._stopping.wait()
+        await self.running.stop(grace=0.5)
