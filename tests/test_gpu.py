@@ -68,7 +68,7 @@ def test_real_minilm_weights_bf16():
 @pytest.mark.parametrize("fixture", ["bert_dir", "qwen3_dir", "pplx_dir", "cross_encoder_dir"])
 def test_graph_replay_equals_eager_for_every_bucket(request, fixture):
     path = request.getfixturevalue(fixture)
-    engine = florist.Engine.from_pretrained(path, device="cuda", dtype="fp32")
+    engine = florist.Engine.from_pretrained(path, device="cuda")
     runner = engine.runner
     rng = np.random.default_rng(0)
     seen = set()
@@ -80,10 +80,17 @@ def test_graph_replay_equals_eager_for_every_bucket(request, fixture):
             eager = runner.forward(to_device(host, runner.device)).cpu()
             outs = [runner.step(host).wait().clone() for _ in range(3)]  # eager padded, capture, replay
             seen.add((token_bucket(host.num_tokens), seq_bucket(num_seqs)))
-            for out in outs:
-                torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+            for out in outs:  # bf16: padded and unpadded shapes may round differently
+                torch.testing.assert_close(out, eager, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(outs[2], outs[1], atol=0, rtol=0)  # replays are deterministic
+            torch.testing.assert_close(outs[1], outs[0], atol=1e-3, rtol=1e-3)  # graph == eager, same bucket
     assert len(runner.graphs.graphs) == len(seen)
+
+
+def test_fp32_on_cuda_runs_without_flash(qwen3_dir):
+    ref = florist.Engine.from_pretrained(qwen3_dir, device="cpu").embed(TEXTS, truncate=True)
+    ours = florist.Engine.from_pretrained(qwen3_dir, device="cuda", dtype="fp32").embed(TEXTS, truncate=True)
+    assert cosine(ours, ref).min() >= 0.99999
 
 
 def test_step_returns_before_the_gpu_is_done(qwen3_dir):

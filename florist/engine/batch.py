@@ -89,6 +89,7 @@ class RaggedBatch:
     max_seqlen: int
     seq_lens_host: tuple[int, ...]
     single_sequence: bool = False  # exactly one real sequence, at the start (padding after it)
+    uniform_seqlen: int = 0  # > 0: every sequence has this length and there is no padding
 
     @property
     def num_tokens(self) -> int:
@@ -127,14 +128,14 @@ def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = 
     return buf
 
 
-def views(packed: torch.Tensor, num_tokens: int, num_seqs: int, with_types: bool, *, max_seqlen: int, seq_lens_host: tuple[int, ...], single_sequence: bool) -> RaggedBatch:
+def views(packed: torch.Tensor, num_tokens: int, num_seqs: int, with_types: bool, *, max_seqlen: int, seq_lens_host: tuple[int, ...], single_sequence: bool, uniform_seqlen: int = 0) -> RaggedBatch:
     """A RaggedBatch whose tensors are views into one packed buffer (see `pack`)."""
     t = num_tokens
     parts = packed.split([t, t, t] + ([t] if with_types else []) + [num_seqs + 1])
     return RaggedBatch(
         input_ids=parts[0], positions=parts[1], seq_ids=parts[2],
         token_type_ids=parts[3] if with_types else None, cu_seqlens=parts[-1],
-        max_seqlen=max_seqlen, seq_lens_host=seq_lens_host, single_sequence=single_sequence,
+        max_seqlen=max_seqlen, seq_lens_host=seq_lens_host, single_sequence=single_sequence, uniform_seqlen=uniform_seqlen,
     )
 
 
@@ -143,5 +144,7 @@ def to_device(host: HostBatch, device: torch.device, *, pin: bool = False) -> Ra
     packed = torch.from_numpy(pack(host))
     if device.type == "cuda":
         packed = (packed.pin_memory() if pin else packed).to(device, non_blocking=pin)
+    lens = tuple(int(x) for x in host.seq_lens)
+    uniform = lens[0] if lens and all(n == lens[0] for n in lens) else 0
     return views(packed, host.num_tokens, host.num_seqs, host.token_type_ids is not None,
-                 max_seqlen=host.max_seqlen, seq_lens_host=tuple(int(x) for x in host.seq_lens), single_sequence=host.num_seqs == 1)
+                 max_seqlen=host.max_seqlen, seq_lens_host=lens, single_sequence=host.num_seqs == 1, uniform_seqlen=uniform)

@@ -38,11 +38,12 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def select_backend(name: str | None, device: torch.device, head_dim: int = 128) -> AttentionFn:
-    """None picks "auto" on CUDA and "sdpa" elsewhere. FlashAttention needs head_dim % 8 == 0;
-    other head sizes take "sdpa" (which is not capturable in graphs: `capturable` says so)."""
+def select_backend(name: str | None, device: torch.device, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> AttentionFn:
+    """None picks "auto" on CUDA and "sdpa" elsewhere. FlashAttention needs fp16/bf16 and
+    head_dim % 8 == 0; other models take "sdpa" (not capturable in graphs: `capturable` says so)."""
     if name is None:
-        name = "auto" if device.type == "cuda" and head_dim % 8 == 0 else "sdpa"
+        flash_ok = head_dim % 8 == 0 and dtype in (torch.float16, torch.bfloat16)
+        name = "auto" if device.type == "cuda" and flash_ok else "sdpa"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {available_backends()}")
     return _BACKENDS[name]()
@@ -75,6 +76,17 @@ def _sdpa_backend() -> AttentionFn:
     return attn
 
 
+def _flash_varlen_gqa():
+    """torch < 2.12's `varlen_attn` has no `enable_gqa`; the FlashAttention op under it takes
+    fewer kv heads natively, so call it directly instead of copying k and v per query head."""
+    op = torch.ops.aten._flash_attention_forward
+
+    def run(q, k, v, cu, max_seqlen: int, causal: bool, scale: float) -> torch.Tensor:
+        return op(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, causal, False, scale=scale)[0]
+
+    return run
+
+
 @register_backend("varlen")
 def _varlen_backend() -> AttentionFn:
     """PyTorch's FlashAttention over cu_seqlens (CUDA only); one launch for the whole batch."""
@@ -82,43 +94,45 @@ def _varlen_backend() -> AttentionFn:
 
     params = inspect.signature(varlen_attn).parameters
     native_gqa = "enable_gqa" in params
+    flash_gqa = None if native_gqa else _flash_varlen_gqa()
     # NOTE: torch 2.11 spells causality `is_causal`; newer releases use `window_size=(-1, 0)`.
     causal_kw = ({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
 
     def attn(q, k, v, batch: RaggedBatch, causal: bool, scale: float) -> torch.Tensor:
+        cu = batch.cu_seqlens
         kwargs = dict(causal_kw) if causal else {}
         if q.shape[1] != k.shape[1]:
-            if native_gqa:
-                kwargs["enable_gqa"] = True
-            else:
-                groups = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        cu = batch.cu_seqlens
+            if flash_gqa is not None:
+                return flash_gqa(q, k, v, cu, batch.max_seqlen, causal, scale)
+            kwargs["enable_gqa"] = True
         return varlen_attn(q, k, v, cu, cu, batch.max_seqlen, batch.max_seqlen, scale=scale, **kwargs)
 
     return attn
 
 
-def _sdpa_one(q, k, v, causal: bool, scale: float) -> torch.Tensor:
-    """All T tokens as one sequence: [T, H, D] -> [T, H, D]."""
-    groups = q.shape[1] // k.shape[1]
-    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    if groups > 1:
-        ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale).squeeze(0).transpose(0, 1)
+def _sdpa_batched(q, k, v, num_seqs: int, seqlen: int, causal: bool, scale: float) -> torch.Tensor:
+    """`num_seqs` sequences of equal length as one dense SDPA call (cuDNN / flash pick it up):
+    [T, H, D] -> [B, H, L, D] -> [T, H, D]. Grouped-query heads are not copied."""
+    qs, ks, vs = (t.view(num_seqs, seqlen, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).reshape(q.shape)
 
 
 @register_backend("auto")
 def _auto_backend() -> AttentionFn:
-    """CUDA default, chosen per shape: one sequence goes to SDPA (cuDNN / flash kernels, the
-    fastest for long single inputs), a ragged batch to varlen. A single sequence followed by
-    padding may use SDPA over all tokens only when attention is causal: real tokens then never
-    see the padding that comes after them."""
+    """CUDA default, chosen per shape from bench/attention.py's measurements (H200, bf16:
+    cuDNN's SDPA runs dense batches 2-3x faster than varlen FlashAttention):
+    - sequences all of one length (and no padding): one dense SDPA call;
+    - one sequence followed by padding, causal: SDPA over all tokens (real tokens never see the
+      padding after them);
+    - anything else (ragged, or a padded bidirectional batch): varlen."""
     varlen = _varlen_backend()
 
     def attn(q, k, v, batch: RaggedBatch, causal: bool, scale: float) -> torch.Tensor:
-        if batch.single_sequence and (causal or batch.num_seqs == 1):
-            return _sdpa_one(q, k, v, causal, scale)
+        if batch.uniform_seqlen:
+            return _sdpa_batched(q, k, v, batch.num_seqs, batch.uniform_seqlen, causal, scale)
+        if batch.single_sequence and causal:
+            return _sdpa_batched(q, k, v, 1, q.shape[0], causal, scale)
         return varlen(q, k, v, batch, causal, scale)
 
     return attn
