@@ -14,6 +14,7 @@ import sys
 # name -> (module, help). The module defines add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
     "encode": ("florist.cli", "embed texts (arguments or stdin lines) and print the vectors as JSON"),
+    "engine-server": ("florist.server.cli", "serve a model over gRPC to the gateway (pre-tokenized requests, batched on the device)"),
 }
 
 

@@ -19,7 +19,7 @@ HELP = "serve a model to the gateway over gRPC (pre-tokenized requests, batched 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from florist.server.service import ServerConfig
+    from florist.server.config import ServerConfig
 
     d = ServerConfig()
     p.add_argument("--model", default=None, help="model directory (default: all-MiniLM-L6-v2 from its wheel)")
@@ -45,7 +45,7 @@ def add_engine_server_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from florist import Engine
     from florist.engine.batch import HostBatch
-    from florist.server.service import ServerConfig
+    from florist.server.config import ServerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task)

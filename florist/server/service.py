@@ -18,7 +18,6 @@ import asyncio
 import hashlib
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -27,6 +26,7 @@ import numpy as np
 from florist.engine.output import check_output_options, finalize_embeddings, finalize_scores
 from florist.server import proto, wire
 from florist.server.batcher import Batcher, DeadlineExpired
+from florist.server.config import ServerConfig
 from florist.server.metrics import ServerMetrics
 from florist.server.scheduler import Overloaded, Scheduler
 from florist.text import InputError
@@ -34,19 +34,6 @@ from florist.text import InputError
 # Request messages are bounded by max_pending_tokens (12 bytes per token at most: id, and per
 # sequence a length and a first-segment length); responses are not bounded here.
 _MESSAGE_SLACK_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port (RunningServer.port says which)
-    max_batch_tokens: int = 16384
-    max_batch_seqs: int = 256
-    max_pending_tokens: int = 1 << 20
-    max_in_flight: int = 2
-    metrics_port: int | None = None
-    launch: str | None = None  # None: "inline" on CUDA, "thread" on CPU (see batcher.py)
-    spin_ms: float = 2.0  # poll a launched batch this long, then wait for it in a thread
 
 
 class _Abort(Exception):
