@@ -21,8 +21,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _check(full: torch.Tensor, tp: int, layout: str = "row_major", device: str = "cpu", **kw) -> None:
-    shards, starts, num_valids = split_into_shards(full, tp, layout)
-    got = vpa.simulated_vocab_parallel_argmax([s.to(device) for s in shards], starts, num_valids, **kw)
+    shards, starts, num_valids = split_into_shards(full, tp, layout, device)
+    got = vpa.simulated_vocab_parallel_argmax(shards, starts, num_valids, **kw)
     expected = torch.argmax(full, dim=-1)
     assert got.dtype == torch.int64 and got.shape == expected.shape
     assert torch.equal(got.cpu(), expected), f"got {got.tolist()}, torch.argmax {expected.tolist()}"
@@ -125,18 +125,21 @@ def test_logits_processor_tp1(vocab, soft_cap, scale):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tp", TPS)
 def test_kernels_on_gpu(tp, dtype, layout, kind):
-    for vocab, rows in ((131072, 64), (32001, 1), (32001, 7)):
-        _check(make_logits(kind, rows, vocab, tp, dtype, seed=rows + tp), tp, layout, device="cuda")
+    for vocab, rows in ((32001, 1), (32001, 7), (131072, 64 if layout == "row_major" else 3)):
+        full = make_logits(kind, rows, vocab, tp, dtype, seed=rows + tp)
+        shards, starts, num_valids = split_into_shards(full, tp, layout, "cuda")
+        assert shards[0].stride() == split_into_shards(full, tp, layout)[0][0].stride()  # layout kept
+        _check(full, tp, layout, device="cuda")
 
 
 @gpu
 @pytest.mark.parametrize("num_slices", (1, 3, 8, 64))
 def test_gpu_candidates_equal_reference_bitwise(num_slices):
     full = make_logits("nan", 9, 32001, 4, torch.bfloat16, seed=3)
-    shards, starts, num_valids = split_into_shards(full, 4, "strided")
+    shards, starts, num_valids = split_into_shards(full, 4, "strided", "cuda")
     for shard, start, n in zip(shards, starts, num_valids):
-        ref = vpa.local_argmax_candidates_ref(shard, start, n, num_slices)
-        got = vpa.local_argmax_candidates_triton(shard.cuda(), start, n, num_slices).cpu()
+        ref = vpa.local_argmax_candidates_ref(shard.cpu(), start, n, num_slices)
+        got = vpa.local_argmax_candidates_triton(shard, start, n, num_slices).cpu()
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
 
 

@@ -69,23 +69,24 @@ def make_logits(kind: str, rows: int, vocab: int, tp: int, dtype: torch.dtype, s
     return x.to(dtype)
 
 
-def split_into_shards(full: torch.Tensor, tp: int, layout: str = "row_major"):
+def split_into_shards(full: torch.Tensor, tp: int, layout: str = "row_major", device: str = "cpu"):
     """[rows, vocab] -> (shards, vocab_starts, num_valids) as ParallelLMHead lays them out, padding
-    poisoned, each shard a view with the layout's strides."""
+    poisoned, each shard a view (on `device`) with the layout's strides."""
     rows, vocab = full.shape
     padded_vocab = pad_vocab(vocab, tp)
     size = padded_vocab // tp
     poison = torch.tensor([NAN, INF, 1e4], dtype=full.dtype).repeat(padded_vocab - vocab)[: padded_vocab - vocab]
     if layout == "row_major":
-        padded = torch.empty(rows, padded_vocab, dtype=full.dtype)
+        padded = torch.empty(rows, padded_vocab, dtype=full.dtype, device=device)
     elif layout == "column_major":
-        padded = torch.empty(padded_vocab, rows, dtype=full.dtype).t()
+        padded = torch.empty(padded_vocab, rows, dtype=full.dtype, device=device).t()
     elif layout == "strided":  # every other column of a wider buffer: column stride 2, odd row stride
-        padded = torch.full((rows, 2 * padded_vocab + 3), 7.0, dtype=full.dtype)[:, 1 : 2 * padded_vocab + 1 : 2]
+        wide = torch.full((rows, 2 * padded_vocab + 3), 7.0, dtype=full.dtype, device=device)
+        padded = wide[:, 1 : 2 * padded_vocab + 1 : 2]
     else:
         raise ValueError(layout)
     padded[:, :vocab] = full
-    padded[:, vocab:] = poison
+    padded[:, vocab:] = poison.to(device)
     shards = [padded[:, r * size : (r + 1) * size] for r in range(tp)]
     starts = [r * size for r in range(tp)]
     num_valids = [max(0, min(vocab - r * size, size)) for r in range(tp)]

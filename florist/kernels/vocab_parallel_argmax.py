@@ -148,6 +148,14 @@ def _use_kernel(use_kernel: bool | None, t: torch.Tensor) -> bool:
     return use_kernel
 
 
+def _check_current_device(t: torch.Tensor) -> None:
+    # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
+    assert not t.is_cuda or t.device.index == torch.cuda.current_device(), (
+        f"tensors are on {t.device} but the current CUDA device is {torch.cuda.current_device()}; "
+        f"call torch.cuda.set_device({t.device}) first"
+    )
+
+
 def _check_shard(logits: torch.Tensor, vocab_start: int, num_valid: int) -> None:
     """Host-side checks only (shapes, dtypes, ints): no device sync, so safe in CUDA graphs."""
     if logits.dim() != 2 or logits.dtype not in _FLOAT_DTYPES:
@@ -179,6 +187,7 @@ def local_argmax_candidates_triton(logits, vocab_start: int, num_valid: int, num
     assert logits.dtype in _FLOAT_DTYPES and vocab_start + num_valid <= ID_LIMIT, f"{logits.dtype}, ids up to {vocab_start + num_valid}"
     # Column offsets are int32 inside the kernel; row offsets are int64.
     assert max(num_cols - 1, 0) * logits.stride(1) < 2**31, f"column stride {logits.stride(1)} x {num_cols} columns overflows int32"
+    _check_current_device(logits)
     out = torch.empty((num_rows, 2 * num_slices), dtype=torch.float32, device=logits.device)
     if num_rows == 0:
         return out
@@ -194,6 +203,7 @@ def local_argmax_candidates_triton(logits, vocab_start: int, num_valid: int, num
 def pick_from_candidates_triton(candidates: torch.Tensor, num_ranks: int) -> torch.Tensor:
     num_rows = candidates.shape[0] // num_ranks
     num_slices = candidates.shape[1] // 2
+    _check_current_device(candidates)
     out = torch.empty(num_rows, dtype=torch.int64, device=candidates.device)
     if num_rows == 0:
         return out
