@@ -215,8 +215,9 @@ def servers(embed_server, score_server):
 # -- backpressure, cancellation, deadlines ------------------------------------------------------
 def test_overload_burst_is_refused_in_part_while_health_answers(default_engine):
     rng = np.random.default_rng(4)
-    burst = [random_request(rng, default_engine.info.vocab_size, 24, n_seqs=int(rng.integers(4, 12))) for _ in range(300)]
-    config = ServerConfig(port=0, max_pending_tokens=1500, max_batch_tokens=512)
+    # ~24k tokens arrive within tens of milliseconds; the server queues at most 2000.
+    burst = [random_request(rng, default_engine.info.vocab_size, 64, n_seqs=int(rng.integers(4, 12))) for _ in range(300)]
+    config = ServerConfig(port=0, max_pending_tokens=2000, max_batch_tokens=512)
     with ServerThread(default_engine, config) as srv:
 
         async def go():
