@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from florist.distributed import destroy_tensor_parallel, init_tensor_parallel
 from florist.layers.embedding import ParallelLMHead, VocabParallelEmbedding, pad_vocab
-from florist.layers.linear import ColumnParallelLinear, RowParallelLinear
+from florist.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from florist.layers.logits_processor import LogitsProcessor
 
 WORLD_SIZE = 2
@@ -91,6 +91,20 @@ def _check_embedding_and_linears(rank: int) -> None:
         layer.bias.weight_loader(layer.bias, b)
     x = torch.randint(-2, 3, (5, HIDDEN), generator=g).float()
     assert torch.equal(down(up(x)), F.linear(F.linear(x, w_up, b_up), w_down, b_down)), f"rank {rank}: column -> row linear"
+
+    # Fused layers: each rank holds its own slice of every part, side by side.
+    mine = lambda w: w.chunk(WORLD_SIZE, 0)[rank]  # noqa: E731
+    merged = MergedColumnParallelLinear(HIDDEN, [6, 10])
+    parts = [torch.randint(-2, 3, (n, HIDDEN), generator=g).float() for n in (6, 10)]
+    for i, w in enumerate(parts):
+        merged.weight.weight_loader(merged.weight, w, i)
+    assert torch.equal(merged(x), torch.cat([F.linear(x, mine(w)) for w in parts], -1)), f"rank {rank}: merged column"
+    qkv = QKVParallelLinear(HIDDEN, head_dim=2, total_num_heads=4, total_num_kv_heads=2)
+    qkv_parts = {name: torch.randint(-2, 3, (n, HIDDEN), generator=g).float() for name, n in (("q", 8), ("k", 4), ("v", 4))}
+    for name, w in qkv_parts.items():
+        qkv.weight.weight_loader(qkv.weight, w, name)
+    expected = torch.cat([F.linear(x, mine(qkv_parts[name])) for name in "qkv"], -1)
+    assert torch.equal(qkv(x), expected), f"rank {rank}: qkv"
 
 
 def _worker(rank: int, port: int) -> None:

@@ -67,9 +67,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Column-parallel outputs `output_sizes` stacked in one weight; shard_id indexes them."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
-        # Each part is split on its own (rank r owns rows r/tp of gate AND of up), so each part,
-        # not just the sum, must divide evenly.
-        self.output_sizes = [_divide(size, tp_size(), "fused output part") * tp_size() for size in output_sizes]
+        # Each part is split on its own (rank r owns slice r of gate AND of up), so each part, not
+        # just the sum, must divide evenly.
+        for size in output_sizes:
+            _divide(size, tp_size(), "fused output part")
+        self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
