@@ -10,7 +10,7 @@ import torch
 
 import florist
 from florist.engine.batch import HostBatch, to_device
-from florist.engine.graph_runner import seq_bucket, token_bucket
+from florist.engine.graph_runner import bucket
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -72,14 +72,16 @@ def test_graph_replay_equals_eager_for_every_bucket(request, fixture):
     runner = engine.runner
     rng = np.random.default_rng(0)
     seen = set()
-    for num_seqs in (1, 2, 3, 5, 9, 17):
-        for max_len in (8, 60, 100):
-            seqs = [rng.integers(5, engine.info.vocab_size, size=int(rng.integers(1, max_len))) for _ in range(num_seqs)]
+    shapes = [(n, m) for n in (1, 2, 3, 5, 9, 17) for m in (8, 60, 100)] + [(1, -64), (1, -128)]
+    for num_seqs, max_len in shapes:  # max_len < 0: exactly -max_len tokens (fills its bucket)
+        for _ in range(1):
+            sizes = [-max_len] * num_seqs if max_len < 0 else [int(rng.integers(1, max_len)) for _ in range(num_seqs)]
+            seqs = [rng.integers(5, engine.info.vocab_size, size=n) for n in sizes]
             first = [max(1, len(s) // 2) for s in seqs] if engine.info.family == "bert" else None
             host = HostBatch.from_sequences(seqs, first)
             eager = runner.forward(to_device(host, runner.device)).cpu()
             outs = [runner.step(host).wait().clone() for _ in range(3)]  # eager padded, capture, replay
-            seen.add((token_bucket(host.num_tokens), seq_bucket(num_seqs)))
+            seen.add(bucket(host))
             for out in outs:  # bf16: padded and unpadded shapes may round differently
                 torch.testing.assert_close(out, eager, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(outs[2], outs[1], atol=0, rtol=0)  # replays are deterministic

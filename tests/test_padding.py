@@ -9,12 +9,20 @@ import torch
 
 import florist
 from florist.engine.batch import HostBatch, pack, to_device, views
-from florist.engine.graph_runner import seq_bucket, token_bucket
+from florist.engine.graph_runner import bucket, seq_bucket, token_bucket
 
 
 def test_buckets():
     assert [token_bucket(n) for n in (1, 64, 65, 1024, 1025, 1280, 1281)] == [64, 64, 128, 1024, 1280, 1280, 1536]
     assert [seq_bucket(n) for n in (1, 2, 3, 4, 7, 8, 100)] == [2, 4, 4, 8, 8, 16, 128]
+
+
+def test_bucket_bounds_the_longest_sequence():
+    assert bucket(HostBatch.from_sequences([[1] * 100] * 3)) == (320, 4, 128, False)
+    assert bucket(HostBatch.from_sequences([[1] * 256] * 100)) == (25600, 128, 256, False)
+    assert bucket(HostBatch.from_sequences([[1] * 10])) == (64, 2, 64, False)
+    assert bucket(HostBatch.from_sequences([[1] * 4096])) == (4096, 2, 4096, True)
+    assert bucket(HostBatch.from_sequences([[1] * 1000, [1] * 2])) == (1024, 4, 1024, False)
 
 
 def test_pack_layout():
@@ -41,8 +49,8 @@ def test_padded_batch_gives_the_same_rows(request, fixture):
         first = [max(1, len(s) // 2) for s in seqs] if engine.info.family == "bert" else None
         host = HostBatch.from_sequences(seqs, first)
         ref = engine.runner.forward(to_device(host, torch.device("cpu")))
-        key = (token_bucket(host.num_tokens), seq_bucket(host.num_seqs))
-        padded = views(torch.from_numpy(pack(host, *key)), *key, host.token_type_ids is not None,
-                       max_seqlen=key[0], seq_lens_host=(), single_sequence=num_seqs == 1)
+        tokens, seqs, max_seqlen, exact = bucket(host)
+        padded = views(torch.from_numpy(pack(host, tokens, seqs)), tokens, seqs, host.token_type_ids is not None,
+                       max_seqlen=max_seqlen, seq_lens_host=(), single_sequence=num_seqs == 1, has_padding=not exact)
         out = engine.runner.forward(padded)[:num_seqs]
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

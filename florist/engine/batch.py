@@ -88,7 +88,8 @@ class RaggedBatch:
     token_type_ids: torch.Tensor | None
     max_seqlen: int
     seq_lens_host: tuple[int, ...]
-    single_sequence: bool = False  # exactly one real sequence, at the start (padding after it)
+    single_sequence: bool = False  # exactly one real sequence, at the start
+    has_padding: bool = False  # tokens after the real sequences (graph buckets)
     uniform_seqlen: int = 0  # > 0: every sequence has this length and there is no padding
 
     @property
@@ -128,14 +129,14 @@ def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = 
     return buf
 
 
-def views(packed: torch.Tensor, num_tokens: int, num_seqs: int, with_types: bool, *, max_seqlen: int, seq_lens_host: tuple[int, ...], single_sequence: bool, uniform_seqlen: int = 0) -> RaggedBatch:
+def views(packed: torch.Tensor, num_tokens: int, num_seqs: int, with_types: bool, *, max_seqlen: int, seq_lens_host: tuple[int, ...], single_sequence: bool, uniform_seqlen: int = 0, has_padding: bool = False) -> RaggedBatch:
     """A RaggedBatch whose tensors are views into one packed buffer (see `pack`)."""
     t = num_tokens
     parts = packed.split([t, t, t] + ([t] if with_types else []) + [num_seqs + 1])
     return RaggedBatch(
         input_ids=parts[0], positions=parts[1], seq_ids=parts[2],
         token_type_ids=parts[3] if with_types else None, cu_seqlens=parts[-1],
-        max_seqlen=max_seqlen, seq_lens_host=seq_lens_host, single_sequence=single_sequence, uniform_seqlen=uniform_seqlen,
+        max_seqlen=max_seqlen, seq_lens_host=seq_lens_host, single_sequence=single_sequence, uniform_seqlen=uniform_seqlen, has_padding=has_padding,
     )
 
 

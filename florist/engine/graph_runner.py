@@ -1,7 +1,13 @@
 """Whole-model CUDA graphs over bucketed ragged batches, captured lazily.
 
     bucket(T, B) = (tokens rounded up: to 64 up to 1024 tokens, to 256 above;
-                    sequences: the next power of two >= B + 1, one dummy sequence for padding)
+                    sequences: the next power of two >= B + 1, one dummy sequence for padding;
+                    longest sequence (padding included): the next power of two, at least 64;
+                    and, for one sequence, whether it fills the token bucket exactly)
+
+The longest-sequence bucket bounds `max_seqlen`, which sizes varlen attention's grid: without it
+a 100 x 256 batch would launch a grid for 25,600-token sequences. A single sequence that fills its
+bucket has no padding, so even bidirectional attention can run as one dense SDPA call.
 
     first sight of a bucket  -> run eagerly on the padded batch (warms kernels and allocators)
     second sight             -> capture a graph into the shared memory pool, then replay it
@@ -33,6 +39,17 @@ def seq_bucket(num_seqs: int) -> int:
     return 1 << num_seqs.bit_length()  # next power of two strictly above num_seqs: room for the dummy
 
 
+def seqlen_bucket(host: HostBatch, tokens: int) -> int:
+    longest = max(host.max_seqlen, tokens - host.num_tokens)  # the dummy holds the padding
+    return min(tokens, max(64, 1 << (longest - 1).bit_length()))
+
+
+def bucket(host: HostBatch) -> tuple[int, int, int, bool]:
+    tokens = token_bucket(host.num_tokens)
+    exact_single = host.num_seqs == 1 and host.num_tokens == tokens
+    return tokens, seq_bucket(host.num_seqs), seqlen_bucket(host, tokens), exact_single
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -44,8 +61,8 @@ class GraphRunner:
     def __init__(self, forward: Callable[[RaggedBatch], torch.Tensor], device: torch.device, *, max_tokens: int, with_token_types: bool):
         self.forward, self.device, self.max_tokens = forward, device, max_tokens
         self.with_types = with_token_types
-        self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.seen: set[tuple[int, int]] = set()
+        self.graphs: dict[tuple, _Graph] = {}
+        self.seen: set[tuple] = set()
         self.pool = None
         self.graph_memory_bytes = 0  # device memory reserved while capturing (reported, not a budget)
 
@@ -54,15 +71,15 @@ class GraphRunner:
 
     def run(self, host: HostBatch) -> torch.Tensor:
         """Device output rows [:B] of the padded batch; launched, not waited on."""
-        key = (token_bucket(host.num_tokens), seq_bucket(host.num_seqs))
+        key = bucket(host)
         host = self._with_token_types(host)
-        packed = torch.from_numpy(pack(host, *key)).pin_memory()
+        packed = torch.from_numpy(pack(host, key[0], key[1])).pin_memory()
         entry = self.graphs.get(key)
         if entry is None and key in self.seen:
             entry = self._capture(key, packed)
         if entry is None:
             self.seen.add(key)
-            batch = self._views(packed.to(self.device, non_blocking=True), key, host.num_seqs == 1)
+            batch = self._views(packed.to(self.device, non_blocking=True), key)
             return self.forward(batch)[: host.num_seqs]
         entry.static_input.copy_(packed, non_blocking=True)
         entry.graph.replay()
@@ -77,22 +94,22 @@ class GraphRunner:
             return replace(host, token_type_ids=None)
         return host
 
-    def _views(self, packed: torch.Tensor, key: tuple[int, int], single: bool) -> RaggedBatch:
-        tokens, seqs = key
-        return views(packed, tokens, seqs, self.with_types, max_seqlen=tokens, seq_lens_host=(), single_sequence=single)
+    def _views(self, packed: torch.Tensor, key: tuple[int, int, int, bool]) -> RaggedBatch:
+        # NOTE: a graph is replayed for every batch of its bucket, so only bucket-wide facts may
+        # shape it: B = 1 is the only batch size in sequence bucket 2, and `exact_single` is part
+        # of the key.
+        tokens, seqs, max_seqlen, exact_single = key
+        return views(packed, tokens, seqs, self.with_types, max_seqlen=max_seqlen, seq_lens_host=(),
+                     single_sequence=seqs == 2, has_padding=not exact_single)
 
-    def _capture(self, key: tuple[int, int], packed: torch.Tensor) -> _Graph:
+    def _capture(self, key: tuple[int, int, int, bool], packed: torch.Tensor) -> _Graph:
         static = torch.empty(packed.shape, dtype=torch.int32, device=self.device)
         static.copy_(packed)
-        # NOTE: a graph captured for a single-sequence batch may use single-sequence attention
-        # (causal SDPA over the padded length); it is only replayed for such batches, since the
-        # sequence bucket of B = 1 is 2 and holds exactly one real sequence plus the dummy.
-        single = key[1] == 2
         torch.cuda.empty_cache()  # capture empties the cache anyway; measure from the same point
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            output = self.forward(self._views(static, key, single))
+            output = self.forward(self._views(static, key))
         self.pool = graph.pool()
         self.graph_memory_bytes += torch.cuda.memory_reserved(self.device) - before
         entry = _Graph(graph, static, output)

@@ -123,15 +123,15 @@ def _auto_backend() -> AttentionFn:
     """CUDA default, chosen per shape from bench/attention.py's measurements (H200, bf16:
     cuDNN's SDPA runs dense batches 2-3x faster than varlen FlashAttention):
     - sequences all of one length (and no padding): one dense SDPA call;
-    - one sequence followed by padding, causal: SDPA over all tokens (real tokens never see the
-      padding after them);
+    - one sequence, with no padding or with causal attention: SDPA over all tokens (causal real
+      tokens never see the padding after them);
     - anything else (ragged, or a padded bidirectional batch): varlen."""
     varlen = _varlen_backend()
 
     def attn(q, k, v, batch: RaggedBatch, causal: bool, scale: float) -> torch.Tensor:
         if batch.uniform_seqlen:
             return _sdpa_batched(q, k, v, batch.num_seqs, batch.uniform_seqlen, causal, scale)
-        if batch.single_sequence and causal:
+        if batch.single_sequence and (causal or not batch.has_padding):
             return _sdpa_batched(q, k, v, 1, q.shape[0], causal, scale)
         return varlen(q, k, v, batch, causal, scale)
 
