@@ -1,20 +1,49 @@
 """Prometheus metrics of one inference server, in a registry of its own (several servers may
 live in one process, e.g. in tests). Queue gauges are read at scrape time, so they cost nothing
-per request."""
+per request. Without prometheus_client installed the server still runs, without metrics."""
 
 from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+try:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+except ImportError:  # pragma: no cover - e.g. a GPU image with grpcio but not prometheus_client
+    CollectorRegistry = None
 
 TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
+def make_metrics() -> "ServerMetrics | NoMetrics":
+    return ServerMetrics() if CollectorRegistry is not None else NoMetrics()
+
+
+class NoMetrics:
+    """Stands in when prometheus_client is missing: every observation is dropped."""
+
+    class _Drop:
+        def observe(self, value: float) -> None:
+            pass
+
+    step_seconds = _Drop()
+
+    def watch(self, *fns) -> None:
+        pass
+
+    def observe_batch(self, num_tokens: int, num_seqs: int) -> None:
+        pass
+
+    def observe_request(self, method: str, code: str, seconds: float) -> None:
+        pass
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        raise RuntimeError("metrics need prometheus_client (`pip install prometheus-client`); drop --metrics-port to run without them")
+
+
 class ServerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry=None):
         self.registry = r = registry or CollectorRegistry()
         self.queue_sequences = Gauge("florist_queue_sequences", "Sequences waiting to be batched", registry=r)
         self.queue_tokens = Gauge("florist_queue_tokens", "Tokens waiting to be batched", registry=r)

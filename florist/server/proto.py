@@ -33,7 +33,7 @@ def _compile_with_protoc(proto: Path) -> descriptor_pb2.FileDescriptorProto | No
     """protoc from grpcio-tools, or None when grpcio-tools is not installed."""
     try:
         from grpc_tools import protoc
-    except ImportError:
+    except Exception:  # absent, or built for another Python / protobuf: fall back to the reader
         return None
     with tempfile.TemporaryDirectory(prefix="florist-proto-") as tmp:
         out = os.path.join(tmp, "florist.desc")
@@ -59,7 +59,7 @@ def _message_class(desc) -> type:
 
 
 _POOL = descriptor_pool.DescriptorPool()
-_POOL.Add(load_descriptor())
+_POOL.AddSerializedFile(load_descriptor().SerializeToString())
 FILE = _POOL.FindFileByName(PROTO_NAME)
 SERVICE = FILE.services_by_name["Inference"]
 

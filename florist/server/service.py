@@ -27,7 +27,7 @@ from florist.engine.output import check_output_options, finalize_embeddings, fin
 from florist.server import proto, wire
 from florist.server.batcher import Batcher, DeadlineExpired
 from florist.server.config import ServerConfig
-from florist.server.metrics import ServerMetrics
+from florist.server.metrics import ServerMetrics, make_metrics
 from florist.server.scheduler import Overloaded, Scheduler
 from florist.text import InputError
 
@@ -182,7 +182,7 @@ def _hostport(host: str, port: int) -> str:
 
 async def start_server(engine, config: ServerConfig = ServerConfig()) -> RunningServer:
     """Start serving `engine` on the running event loop."""
-    metrics = ServerMetrics()
+    metrics = make_metrics()
     scheduler = Scheduler(config.max_batch_tokens, config.max_batch_seqs, config.max_pending_tokens)
     batcher = Batcher(engine, scheduler, metrics, max_in_flight=config.max_in_flight, launch=config.launch, spin_s=config.spin_ms / 1e3)
     metrics.watch(lambda: scheduler.pending_seqs, lambda: scheduler.pending_tokens, lambda: len(batcher.in_flight))

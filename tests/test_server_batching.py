@@ -1,0 +1,128 @@
+"""The batching loop's device path (launch on the event loop, poll or park the wait) on a
+simulated device: a serial queue that finishes each batch some time after the one before, as a
+GPU stream does. CPU engines take the worker-thread path; these tests cover the CUDA one."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+
+from florist.server.client import InferenceClient
+from florist.server.service import ServerConfig, ServerThread
+
+POISON = 999  # a batch holding this id fails in the simulated engine
+
+
+def expected_rows(seqs) -> np.ndarray:
+    """What the simulated model outputs per sequence: exact in float32, unique per sequence."""
+    return np.asarray([[len(s), sum(s) % 4096, s[0], s[-1]] for s in seqs], dtype=np.float32)
+
+
+class SimulatedLazy:
+    def __init__(self, rows: np.ndarray, ready_at: float):
+        self.rows, self.ready_at = rows, ready_at
+
+    def ready(self) -> bool:
+        return time.perf_counter() >= self.ready_at
+
+    def wait(self):
+        while not self.ready():
+            time.sleep(0.0002)
+        return self.rows
+
+    def numpy(self) -> np.ndarray:
+        return self.wait()
+
+
+class SimulatedDevice:
+    """step() returns at once; a batch is ready `per_token_s` x tokens after the previous one."""
+
+    def __init__(self, per_token_s: float = 2e-6, base_s: float = 2e-4):
+        self.info = SimpleNamespace(
+            model_name="simulated", family="bert", task="embed", dimensions=4, max_input_tokens=64, vocab_size=1000,
+            dtype="float32", device="cuda:0", pooling=("mean",), normalize=False, prompts={}, default_prompt_name=None,
+            score_activation="identity", native_int8=False, tokenizer="",
+        )
+        self.per_token_s, self.base_s = per_token_s, base_s
+        self.busy_until = 0.0
+        self.finishes: list[float] = []
+        self.max_queued = 0  # most batches on the device (running or waiting) right after a launch
+
+    def step(self, batch):
+        now = time.perf_counter()
+        if POISON in batch.input_ids:
+            raise RuntimeError("simulated device fault")
+        self.max_queued = max(self.max_queued, 1 + sum(1 for t in self.finishes if t > now))
+        self.busy_until = max(now, self.busy_until) + self.base_s + self.per_token_s * batch.num_tokens
+        self.finishes.append(self.busy_until)
+        seqs = np.split(batch.input_ids, np.cumsum(batch.seq_lens)[:-1])
+        return SimulatedLazy(expected_rows([s.tolist() for s in seqs]), self.busy_until)
+
+
+def random_requests(rng, n: int) -> list[list[list[int]]]:
+    return [[rng.integers(0, 900, size=int(rng.integers(1, 65))).tolist() for _ in range(int(rng.integers(1, 17)))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("spin_ms", [0.0, 0.5, 1000.0], ids=["park-at-once", "spin-then-park", "poll-only"])
+def test_device_path_returns_each_request_its_rows_with_two_batches_in_flight(spin_ms):
+    device = SimulatedDevice()
+    rng = np.random.default_rng(int(spin_ms * 10))
+    requests = random_requests(rng, 120)
+    with ServerThread(device, ServerConfig(port=0, max_batch_tokens=256, max_batch_seqs=16, spin_ms=spin_ms)) as srv:
+        assert srv.running.batcher.launch == "inline"
+
+        async def go():
+            async with InferenceClient(srv.address, timeout=60) as client:
+                return await asyncio.gather(*(client.embed(r) for r in requests))
+
+        results = asyncio.run(go())
+    for got, seqs in zip(results, requests):
+        np.testing.assert_array_equal(got, expected_rows(seqs))
+    assert device.max_queued == 2, "batch N+1 should be launched while batch N runs, and no more"
+
+
+def test_a_failing_batch_fails_its_requests_only():
+    device = SimulatedDevice()
+    with ServerThread(device, ServerConfig(port=0, max_batch_seqs=1)) as srv:
+
+        async def go():
+            async with InferenceClient(srv.address, timeout=30) as client:
+                async def one(seqs):
+                    try:
+                        return await client.embed(seqs)
+                    except grpc.aio.AioRpcError as e:
+                        return e
+
+                return await asyncio.gather(one([[1, 2]]), one([[POISON, 3]]), one([[4, 5, 6]]))
+
+        ok1, bad, ok2 = asyncio.run(go())
+    assert isinstance(bad, grpc.aio.AioRpcError) and bad.code() == grpc.StatusCode.INTERNAL
+    assert "simulated device fault" in bad.details()
+    np.testing.assert_array_equal(ok1, expected_rows([[1, 2]]))
+    np.testing.assert_array_equal(ok2, expected_rows([[4, 5, 6]]))
+
+
+def test_server_runs_without_prometheus_client():
+    code = f"""
+import sys, asyncio
+sys.modules["prometheus_client"] = None
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_server_batching import SimulatedDevice, expected_rows
+from florist.server.client import InferenceClient
+from florist.server.service import ServerConfig, ServerThread
+import numpy as np
+with ServerThread(SimulatedDevice(), ServerConfig(port=0)) as srv:
+    async def go():
+        async with InferenceClient(srv.address, timeout=30) as client:
+            return await client.embed([[1, 2, 3]])
+    np.testing.assert_array_equal(asyncio.run(go()), expected_rows([[1, 2, 3]]))
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
