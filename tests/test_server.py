@@ -32,6 +32,18 @@ def random_request(rng, vocab: int, max_len: int, n_seqs: int | None = None) -> 
     return [rng.integers(0, vocab, size=k).tolist() for k in lens]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The server's engine thread and the test's own calls share the cores; with more threads
+    each, OpenMP threads spin waiting for each other (tens of times slower on a busy machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def embed_server(default_engine):
     with ServerThread(default_engine, ServerConfig(port=0, max_batch_tokens=2048, max_batch_seqs=64, max_pending_tokens=100_000, metrics_port=0)) as srv:

@@ -29,7 +29,7 @@ def test_message_classes_work_without_grpc_tools():
         r.normalize = False
         back = proto.EmbedRequest.FromString(r.SerializeToString())
         assert back == r and back.HasField("normalize")
-        assert [m.name for m in proto.SERVICE.methods] == ["Embed", "Score", "Health", "Info"]
+        assert {"Embed", "Score", "Health", "Info"} <= {m.name for m in proto.SERVICE.methods}
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -154,6 +154,7 @@ class Batcher:
                     for req, _ in self.in_flight.popleft().batch.seqs:
                         self.scheduler.cancel(req)
                         _fail(req.payload.future, RuntimeError("internal error in the batching loop; see the server log"))
+                await asyncio.sleep(0.01)  # yield: a failure before any await must not starve the event loop
 
     async def _iteration(self) -> None:
         """Launch while there is room and work; collect the oldest batch if it is back; else

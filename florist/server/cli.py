@@ -49,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task)
-    # Warm up (device context, kernels, allocator) so the first request does not pay for it.
-    engine.step(HostBatch.from_sequences([[0] * 8], [4] if engine.info.task == "score" else None)).numpy()
+    if engine.info.task in ("embed", "score"):
+        # Warm up (device context, kernels, allocator) so the first request does not pay for it.
+        engine.step(HostBatch.from_sequences([[0] * 8], [4] if engine.info.task == "score" else None)).numpy()
     config = ServerConfig(
         host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,
         max_pending_tokens=args.max_pending_tokens, metrics_port=args.metrics_port, spin_ms=args.spin_ms,

@@ -128,7 +128,8 @@ class InferenceService:
     def _require(self, task: str, method: str, other: str) -> None:
         if self.info.task != task:
             what = {"embed": "an embedding model", "score": "a cross-encoder or reranker"}[task]
-            raise InputError(f"{method} needs {what}; {self.info.model_name} is served for {self.info.task}: call {other}")
+            hint = f": call {other}" if self.info.task in ("embed", "score") else ""
+            raise InputError(f"{method} needs {what}; {self.info.model_name} is served for {self.info.task}{hint}")
 
     def _tokens(self, tokens):
         wire.check_known_fields(tokens, "TokenBatch")
