@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "encode": ("florist.cli", "embed texts (arguments or stdin lines) and print the vectors as JSON"),
     "engine-server": ("florist.server.cli", "serve a model over gRPC to the gateway (pre-tokenized requests, batched on the device)"),
+    "generate": ("florist.engine.generation.cli", "greedy text generation with a causal LM (Qwen3ForCausalLM), optionally tensor parallel"),
 }
 
 

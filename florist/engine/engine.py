@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +22,10 @@ from florist.engine.model_dir import ModelDir, read_model_dir
 from florist.engine.output import Encoding, check_output_options, finalize_embeddings, finalize_scores
 from florist.engine.runner import ModelRunner, resolve_device, resolve_dtype
 from florist.text import InputError, TextProcessor
+
+if TYPE_CHECKING:
+    from florist.engine.generation.config import GenerationConfig
+    from florist.engine.generation.results import GenerationResult
 
 
 @dataclass(frozen=True)
@@ -86,12 +90,23 @@ class Engine:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, task: Task | None = None, attention_backend: str | None = None, max_batch_tokens: int = 16384) -> "Engine":
-        """Load a model directory (None: the default all-MiniLM-L6-v2). Never downloads."""
+    def from_pretrained(cls, path: str | Path | None = None, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, task: Task | None = None, attention_backend: str | None = None, max_batch_tokens: int = 16384, tensor_parallel_size: int = 1, generation: "GenerationConfig | None" = None) -> "Engine":
+        """Load a model directory (None: the default all-MiniLM-L6-v2). Never downloads.
+
+        A causal LM (task "generate") is served by the generation engine: `generation` sets its
+        KV-cache slots and lengths, `tensor_parallel_size` > 1 starts that many processes."""
         md = read_model_dir(path, task)
-        if md.pipeline.task == "generate":
-            raise InputError(f"{md.path} is a causal LM; text generation is not available in this build. Pass task='score' if it is a Qwen3 reranker")
         dev = resolve_device(device)
+        if md.pipeline.task == "generate":
+            from dataclasses import replace
+
+            from florist.engine.generation.config import GenerationConfig
+            from florist.engine.generation.generator import Generator
+
+            config = replace(generation or GenerationConfig(), tensor_parallel_size=tensor_parallel_size)
+            return cls(md, Generator(md, dev, resolve_dtype(dtype, dev), config, attention_backend), max_batch_tokens)
+        if tensor_parallel_size != 1:
+            raise InputError(f"tensor parallelism serves causal LMs (task generate); {md.name} is loaded for {md.pipeline.task} on one device")
         return cls(md, ModelRunner(md, dev, resolve_dtype(dtype, dev), attention_backend), max_batch_tokens)
 
     # -- public API ----------------------------------------------------------------------------
@@ -118,7 +133,27 @@ class Engine:
 
     def step(self, batch: HostBatch) -> LazyTensor:
         """Launch one batch and return at once; the output stays on its way to the host."""
+        if self.info.task == "generate":
+            raise InputError(f"{self.info.model_name} is a causal LM: use generate()")
         return self.runner.step(batch)
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *, max_tokens: int = 16, stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False) -> list["GenerationResult"]:
+        """Greedy continuations, one per prompt (strings, or token-id lists), in input order.
+        Stops at the model's EOS (unless ignore_eos), at any of `stop_token_ids`, or after
+        max_tokens new tokens. See florist/engine/generation/ and docs/generation.md."""
+        from florist.engine.generation.results import GenerationResult
+
+        self._require("generate")
+        if isinstance(prompts, Sequence) and prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
+            prompts = [prompts]  # one prompt given as a flat list of token ids
+        ids = self.text.encode(_as_list(prompts))
+        seqs = self.runner.generate(ids, max_tokens, stop_token_ids or (), ignore_eos=ignore_eos)
+        return [GenerationResult.of(seq, self.text) for seq in seqs]
+
+    def close(self) -> None:
+        """Release what the engine holds beyond memory (tensor-parallel worker processes)."""
+        if hasattr(self.runner, "close"):
+            self.runner.close()
 
     # -- batching ------------------------------------------------------------------------------
     def run(self, ids: list[np.ndarray], first_segment_lens: list[int] | None = None) -> np.ndarray:
@@ -139,7 +174,7 @@ class Engine:
 
     def _require(self, task: str) -> None:
         if self.info.task != task:
-            what = {"embed": "an embedding model", "score": "a cross-encoder or reranker"}[task]
+            what = {"embed": "an embedding model", "score": "a cross-encoder or reranker", "generate": "a causal LM (Qwen3ForCausalLM)"}[task]
             raise InputError(f"{task} needs {what}; {self.info.model_name} is loaded for {self.info.task}")
 
 

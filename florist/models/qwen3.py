@@ -22,7 +22,10 @@ from florist.models.base import WeightMap
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionFn):
+    """`attention` builds the core (num_heads, num_kv_heads, head_dim, causal, backend) -> module
+    called as (q, k, v, batch): `Attention` for embedders, a KV-cached one for generation."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionFn, attention=Attention):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.total_num_heads, cfg.total_num_kv_heads, bias=cfg.attention_bias)
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim
@@ -30,7 +33,7 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.causal, backend)
+        self.attn = attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.causal, backend)
 
     def forward(self, x: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -55,9 +58,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionFn):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionFn, attention=Attention):
         super().__init__()
-        self.self_attn = Qwen3Attention(cfg, rotary, backend)
+        self.self_attn = Qwen3Attention(cfg, rotary, backend, attention)
         self.mlp = Qwen3MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -75,12 +78,12 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     """Embeddings + decoder layers + final norm -> hidden states [T, H]."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionFn):
+    def __init__(self, cfg: ModelConfig, backend: AttentionFn, attention=Attention):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # One rotary cache shared by every layer (a buffer, not a parameter).
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, backend, attention) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
     def forward(self, batch: RaggedBatch) -> torch.Tensor:

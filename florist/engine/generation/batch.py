@@ -1,0 +1,85 @@
+"""Per-step metadata of a generation step, built on the host with numpy and moved in one copy.
+
+A step's inputs travel as one int32 buffer (the same bytes rank 0 broadcasts to the other ranks):
+
+    prefill  | ids T | positions T | seq_ids T | cu_seqlens B+1 | slot_mapping T |
+    decode   | ids B | positions B | slots B+1 |        (slots[B]: the scratch slot, see below)
+
+    slot_mapping[t] = slot * max_len + position   (row of the flat [slots * max_len, Hkv, D] cache)
+
+Decode buffers are padded to a batch-size bucket. Padding rows use the scratch slot (the cache's
+last one, never given to a sequence) at position 0, so they write only scratch k/v, attend only to
+it, and their outputs are sliced off: harmless by construction. Everything else a decode step
+needs (context lengths, cache offsets) is computed from these on the device, inside the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from florist.engine.batch import HostBatch, RaggedBatch, pack, views
+
+
+@dataclass(kw_only=True)
+class GenerationBatch(RaggedBatch):
+    """A RaggedBatch (the prefill attention backends read its fields) plus where k/v go.
+
+    Prefill: whole prompts, positions from 0; attention runs over the new tokens only (they are
+    all there is in the slot). Decode: one token per sequence (cu_seqlens = 0, 1, .., B) that
+    attends to `context_lens` cached tokens of its slot.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [T]
+    decode: bool = False
+    slots: torch.Tensor | None = None  # decode: int64 [B]
+    context_lens: torch.Tensor | None = None  # decode: int32 [B], this token included
+    cache_starts: torch.Tensor | None = None  # decode: int32 [B+1] = slot * max_len (last: scratch)
+    max_context_len: int = 0  # decode: host bound on context_lens (sizes the torch path)
+
+
+# -- prefill -------------------------------------------------------------------------------------
+def pack_prefill(prompts: list[list[int]], slots: list[int], max_len: int) -> np.ndarray:
+    host = HostBatch.from_sequences(prompts)
+    slot_mapping = np.repeat(np.asarray(slots, dtype=np.int32) * max_len, host.seq_lens) + host.positions()
+    return np.concatenate([pack(host), slot_mapping])
+
+
+def prefill_batch(packed: torch.Tensor, num_tokens: int, num_seqs: int, seq_lens: tuple[int, ...]) -> GenerationBatch:
+    """Views into the packed prefill buffer (already on the device)."""
+    ragged = views(packed[: -num_tokens], num_tokens, num_seqs, False, max_seqlen=max(seq_lens), seq_lens_host=seq_lens,
+                   single_sequence=num_seqs == 1, uniform_seqlen=seq_lens[0] if len(set(seq_lens)) == 1 else 0)
+    fields = {name: getattr(ragged, name) for name in RaggedBatch.__dataclass_fields__}
+    return GenerationBatch(**fields, slot_mapping=packed[-num_tokens:].long())
+
+
+def prefill_seq_lens(packed: np.ndarray, num_tokens: int, num_seqs: int) -> tuple[int, ...]:
+    """Sequence lengths read back from a packed prefill buffer (the other ranks get only bytes)."""
+    cu = packed[3 * num_tokens : 3 * num_tokens + num_seqs + 1]
+    return tuple(int(x) for x in np.diff(cu))
+
+
+# -- decode --------------------------------------------------------------------------------------
+def pack_decode(tokens: list[int], positions: list[int], slots: list[int], num_rows: int, scratch_slot: int) -> np.ndarray:
+    """| ids | positions | slots + scratch | padded to `num_rows` rows (see the module docstring)."""
+    b = len(tokens)
+    buf = np.zeros(3 * num_rows + 1, dtype=np.int32)
+    buf[:b] = tokens
+    buf[num_rows : num_rows + b] = positions
+    buf[2 * num_rows : 2 * num_rows + b] = slots
+    buf[2 * num_rows + b :] = scratch_slot
+    return buf
+
+
+def decode_batch(packed: torch.Tensor, num_rows: int, max_len: int, max_context_len: int) -> GenerationBatch:
+    """Device-side decode metadata from the packed buffer; only device ops (CUDA-graph safe)."""
+    ids, positions, slots = packed.split([num_rows, num_rows, num_rows + 1])
+    cu_seqlens = torch.arange(num_rows + 1, dtype=torch.int32, device=packed.device)
+    return GenerationBatch(
+        input_ids=ids, positions=positions, seq_ids=cu_seqlens[:-1], cu_seqlens=cu_seqlens, token_type_ids=None,
+        max_seqlen=1, seq_lens_host=(), decode=True,
+        slot_mapping=slots[:-1].long() * max_len + positions.long(),
+        slots=slots[:-1].long(), context_lens=positions + 1, cache_starts=slots * max_len, max_context_len=max_context_len,
+    )

@@ -1,0 +1,128 @@
+"""Attention with a KV cache, for generation (embedding models use `Attention` and pay nothing).
+
+The cache is slot-based and contiguous (docs/generation.md says why): per layer
+
+    k_cache, v_cache [num_slots + 1, max_len, Hkv, D]      slot s, position p -> row s * max_len + p
+                      └ the last slot is scratch for padding rows of decode graphs
+
+Every step first writes its tokens' k/v at `batch.slot_mapping`, then
+- prefill (whole prompts, positions from 0): causal attention over the new tokens alone, with the
+  model's ragged backend (florist.layers.attention), since they are all that the slot holds;
+- decode (one token per sequence): a decode backend reads the first `context_lens[b]` rows of
+  slot `slots[b]`.
+
+Decode backends form a small registry like the ragged ones, chosen once at construction:
+    "torch"  SDPA over the gathered cache with a length mask: the reference, the CPU path, and
+             the fallback where FlashAttention does not apply (fp32, odd head sizes)
+    "flash"  FlashAttention's varlen kernel (aten._flash_attention_forward): k/v are the flat
+             cache, cu_seqlens_k = slot * max_len gives each sequence's start and seqused_k its
+             length, so nothing is gathered; fewer kv heads are taken natively (GQA).
+Both only queue device work (no host reads): decode steps are captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from florist.engine.generation.batch import GenerationBatch
+from florist.layers.attention import AttentionFn
+
+# (q [B, Hq, D], k_cache, v_cache [S, L, Hkv, D], batch, scale) -> out [B, Hq, D]
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, GenerationBatch, float], torch.Tensor]
+_DECODE_BACKENDS: dict[str, Callable[[], DecodeFn]] = {}
+
+
+def register_decode_backend(name: str):
+    def wrap(factory: Callable[[], DecodeFn]):
+        _DECODE_BACKENDS[name] = factory
+        return factory
+
+    return wrap
+
+
+def flash_decode_available() -> bool:
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return op is not None and any(a.name == "seqused_k" for a in op.default._schema.arguments)
+
+
+def select_decode_backend(name: str | None, device: torch.device, head_dim: int, dtype: torch.dtype) -> DecodeFn:
+    """None: "flash" on CUDA for fp16/bf16 and head_dim % 8 == 0, else "torch"."""
+    if name is None:
+        flash_ok = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+        name = "flash" if flash_ok and flash_decode_available() else "torch"
+    if name not in _DECODE_BACKENDS:
+        raise ValueError(f"unknown decode attention backend {name!r}; choose one of {sorted(_DECODE_BACKENDS)}")
+    return _DECODE_BACKENDS[name]()
+
+
+@register_decode_backend("torch")
+def _torch_decode() -> DecodeFn:
+    def attn(q, k_cache, v_cache, batch: GenerationBatch, scale: float) -> torch.Tensor:
+        n = batch.max_context_len
+        keys = k_cache[batch.slots, :n].transpose(1, 2)  # [B, Hkv, n, D]
+        values = v_cache[batch.slots, :n].transpose(1, 2)
+        # NOTE: rows past a sequence's length hold stale k/v of an earlier sequence (or zeros);
+        # the mask gives them weight exactly 0, and the cache starts zeroed so 0 * stale is 0.
+        mask = torch.arange(n, device=q.device) < batch.context_lens.unsqueeze(1)  # [B, n]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=q.shape[1] != k_cache.shape[2]
+        )
+        return out.squeeze(2)
+
+    return attn
+
+
+@register_decode_backend("flash")
+def _flash_decode() -> DecodeFn:
+    op = torch.ops.aten._flash_attention_forward
+
+    def attn(q, k_cache, v_cache, batch: GenerationBatch, scale: float) -> torch.Tensor:
+        slots, max_len = k_cache.shape[:2]
+        flat_k = k_cache.view(slots * max_len, *k_cache.shape[2:])
+        flat_v = v_cache.view(slots * max_len, *v_cache.shape[2:])
+        # Not causal: a single query per sequence sees its whole context (and FlashAttention then
+        # folds grouped query heads into the query length, which suits decode).
+        return op(q, flat_k, flat_v, batch.cu_seqlens, batch.cache_starts, 1, max_len, 0.0, False, False,
+                  scale=scale, seqused_k=batch.context_lens)[0]
+
+    return attn
+
+
+class CachedAttention(nn.Module):
+    """Same constructor and call as `Attention` (Qwen3Attention builds either); the cache tensors
+    are bound once by the KV cache that owns them (`bind_cache`), the per-step metadata arrives
+    in the batch."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, causal: bool, backend: AttentionFn, decode_backend: DecodeFn):
+        super().__init__()
+        if not causal:
+            raise ValueError("generation needs causal attention")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.backend, self.decode_backend = head_dim**-0.5, backend, decode_backend
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """k_cache, v_cache: [num_slots + 1, max_len, Hkv, D] views owned by the KV cache."""
+        if k_cache.shape[2:] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"cache of shape {tuple(k_cache.shape)} does not hold {self.num_kv_heads} kv heads of {self.head_dim}")
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: GenerationBatch) -> torch.Tensor:
+        """q: [T, Hq*D] or [T, Hq, D] -> [T, Hq*D]; writes this step's k/v into the cache."""
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        rows = self.k_cache.shape[0] * self.k_cache.shape[1]
+        self.k_cache.view(rows, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
+        self.v_cache.view(rows, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
+        if batch.decode:
+            out = self.decode_backend(q, self.k_cache, self.v_cache, batch, self.scale)
+        else:
+            out = self.backend(q, k, v, batch, True, self.scale)
+        return out.reshape(t, -1)

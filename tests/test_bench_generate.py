@@ -1,0 +1,17 @@
+"""bench/generate.py --smoke runs end to end on the CPU, its fidelity check included."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_smoke():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "generate.py"), "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fidelity: 9 florist tokens are transformers' greedy choice" in proc.stdout, proc.stdout
+    summary = proc.stdout.split("== summary ==")[-1]
+    assert "ms/token" in summary and "tokens/s" in summary, proc.stdout
