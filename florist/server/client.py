@@ -4,6 +4,8 @@
         vectors = await client.embed([[101, 7592, 102], [101, 2088, 102]])    # [2, D] float32
         vectors = await client.embed((ids_bytes, seq_lens))                    # already packed
         scores = await client.score(pair_ids, first_segment_lens)              # [N] float32
+        async for chunk in client.generate(prompt_ids, max_tokens=32):         # a causal LM
+            print(chunk.token_ids, chunk.finish_reason)
 
 Errors are `grpc.aio.AioRpcError` with the server's status code and message. Create the client
 inside the event loop that uses it (a grpc.aio channel belongs to one loop).
@@ -11,7 +13,8 @@ inside the event loop that uses it (a grpc.aio channel belongs to one loop).
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
 
 import grpc
 import numpy as np
@@ -19,6 +22,17 @@ import numpy as np
 from florist.server import proto, wire
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+
+@dataclass(frozen=True)
+class GeneratedTokens:
+    """One streamed chunk of a Generate call: new token ids since the previous chunk; the last
+    chunk has `finish_reason` ("stop" or "length") and the request's token counts."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 class InferenceClient:
@@ -42,6 +56,21 @@ class InferenceClient:
         request = proto.ScoreRequest(tokens=wire.encode_tokens(pairs, proto.TokenBatch), first_segment_lens=bytes(first), raw=raw)
         response = await self._rpc["Score"](request, timeout=timeout or self.timeout)
         return wire.decode_matrix(response.scores)
+
+    async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, timeout: float | None = None) -> AsyncIterator[GeneratedTokens]:
+        """Greedy continuation of one tokenized prompt, streamed (server-streaming Generate RPC).
+        Leaving the loop early cancels the call, and the server frees the sequence's slot."""
+        request = proto.GenerateRequest(
+            prompt_ids=np.asarray(prompt_ids, dtype=wire.INT32).tobytes(), max_tokens=max_tokens,
+            stop_token_ids=np.asarray(stop_token_ids, dtype=wire.INT32).tobytes(), ignore_eos=ignore_eos,
+        )
+        call = self._rpc["Generate"](request, timeout=timeout or self.timeout)
+        try:
+            async for chunk in call:
+                yield GeneratedTokens(np.frombuffer(chunk.token_ids, dtype=wire.INT32).tolist(), chunk.finish_reason or None,
+                                      chunk.prompt_tokens, chunk.completion_tokens)
+        finally:
+            call.cancel()
 
     async def info(self, timeout: float | None = None):
         """The model and server limits (florist.proto InfoResponse)."""

@@ -74,6 +74,8 @@ HealthResponse = _message_class(FILE.message_types_by_name["HealthResponse"])
 InfoRequest = _message_class(FILE.message_types_by_name["InfoRequest"])
 InfoResponse = _message_class(FILE.message_types_by_name["InfoResponse"])
 Prompt = _message_class(FILE.message_types_by_name["Prompt"])
+GenerateRequest = _message_class(FILE.message_types_by_name["GenerateRequest"])
+GenerateChunk = _message_class(FILE.message_types_by_name["GenerateChunk"])
 
 
 def _classes(method) -> tuple[type, type]:

@@ -27,6 +27,7 @@ from florist.engine.output import check_output_options, finalize_embeddings, fin
 from florist.server import proto, wire
 from florist.server.batcher import Batcher, DeadlineExpired
 from florist.server.config import ServerConfig
+from florist.server.generate import GenerateHandler
 from florist.server.metrics import ServerMetrics, make_metrics
 from florist.server.scheduler import Overloaded, Scheduler
 from florist.text import InputError
@@ -48,6 +49,7 @@ class InferenceService:
         self.info = engine.info
         self.serving = True
         self._info_response = self._make_info()
+        self.generation = GenerateHandler(engine, metrics)  # the Generate RPC (causal LMs)
 
     def _make_info(self):
         i = self.info
@@ -69,6 +71,11 @@ class InferenceService:
 
     async def Score(self, request, context):
         return await self._handle("Score", self._score, request, context)
+
+    async def Generate(self, request, context):
+        """Server streaming: see florist/server/generate.py."""
+        async for chunk in self.generation.stream(request, context):
+            yield chunk
 
     async def Health(self, request, context):
         status = proto.HealthResponse.SERVING if self.serving else proto.HealthResponse.NOT_SERVING
@@ -168,6 +175,7 @@ class RunningServer:
     async def stop(self, grace: float | None = 1.0) -> None:
         self.service.serving = False
         await self.server.stop(grace)
+        self.service.generation.close()
         await self.batcher.stop()
         if self.metrics_http is not None:
             self.metrics_http.shutdown()

@@ -1,0 +1,123 @@
+"""The Generate RPC over a real socket (127.0.0.1): streams equal the embedded API's tokens,
+concurrent streams share the engine's steps, a cancelled stream frees its slot, bad input is
+refused with INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+import florist
+from florist.engine.generation.config import GenerationConfig
+from florist.server import proto
+from florist.server.client import InferenceClient
+from florist.server.service import ServerConfig, ServerThread
+
+from test_generation import make_causal_lm, prompts_for
+
+
+@pytest.fixture(scope="module")
+def lm_engine(tmp_path_factory):
+    path = make_causal_lm(tmp_path_factory.mktemp("qwen3-causal-lm-server"), tie=True)
+    return florist.Engine.from_pretrained(path, device="cpu", generation=GenerationConfig(max_num_seqs=4, max_model_len=128))
+
+
+@pytest.fixture(scope="module")
+def lm_server(lm_engine):
+    with ServerThread(lm_engine, ServerConfig(port=0)) as srv:
+        yield srv
+
+
+async def _collect(client, prompt, **kw):
+    chunks = [c async for c in client.generate(prompt, **kw)]
+    return [t for c in chunks for t in c.token_ids], chunks
+
+
+def test_concurrent_streams_equal_the_embedded_api(lm_server, lm_engine):
+    prompts = prompts_for(lm_engine.model_dir.path, (1, 4, 9, 16, 25, 36), seed=5)
+    budgets = [3, 20, 7, 16, 1, 12]
+    expected = [r.token_ids for r in (lm_engine.generate([p], max_tokens=n)[0] for p, n in zip(prompts, budgets))]
+
+    async def main():
+        async with InferenceClient(lm_server.address) as client:
+            return await asyncio.gather(*(_collect(client, p, max_tokens=n) for p, n in zip(prompts, budgets)))
+
+    results = asyncio.run(main())  # 6 streams, 4 slots: some wait for a slot
+    for (tokens, chunks), want, p in zip(results, expected, prompts):
+        assert tokens == want
+        last = chunks[-1]
+        assert last.finish_reason == "length" and last.prompt_tokens == len(p) and last.completion_tokens == len(want)
+        assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_stop_ids_end_the_stream(lm_server, lm_engine):
+    prompt = prompts_for(lm_engine.model_dir.path, (6,), seed=6)[0]
+    full = lm_engine.generate([prompt], max_tokens=24)[0].token_ids
+    k = next(i for i in range(2, 24) if full[i] not in full[:i])
+
+    async def main():
+        async with InferenceClient(lm_server.address) as client:
+            return await _collect(client, prompt, max_tokens=24, stop_token_ids=[full[k]])
+
+    tokens, chunks = asyncio.run(main())
+    assert tokens == full[: k + 1] and chunks[-1].finish_reason == "stop"
+
+
+def test_a_cancelled_stream_frees_its_slot(lm_server, lm_engine):
+    gen = lm_engine.runner
+    prompt = prompts_for(lm_engine.model_dir.path, (5,), seed=7)[0]
+
+    async def main():
+        async with InferenceClient(lm_server.address) as client:
+            async for chunk in client.generate(prompt, max_tokens=100):
+                break  # leaving the loop cancels the call
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while gen.has_work and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not gen.has_work and gen.scheduler.free_slots == gen.scheduler.num_slots
+
+
+@pytest.mark.parametrize("request_kw, message", [
+    (dict(prompt_ids=b"", max_tokens=4), "at least one token"),
+    (dict(prompt_ids=b"\x01\x00\x00", max_tokens=4), "multiple of 4"),
+    (dict(prompt_ids=(10**6).to_bytes(4, "little"), max_tokens=4), "outside the vocabulary"),
+    (dict(prompt_ids=b"\x01\x00\x00\x00", max_tokens=0), "max_tokens must be"),
+    (dict(prompt_ids=b"\x01\x00\x00\x00" * 100, max_tokens=100), "max_model_len"),
+])
+def test_bad_requests_are_invalid_argument(lm_server, request_kw, message):
+    async def main():
+        async with InferenceClient(lm_server.address) as client:
+            call = client._rpc["Generate"](proto.GenerateRequest(**request_kw))
+            return [c async for c in call]
+
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(main())
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
+
+
+def test_embed_on_a_causal_lm_is_refused(lm_server):
+    async def main():
+        async with InferenceClient(lm_server.address) as client:
+            info = await client.info()
+            assert info.task == "generate"
+            await client.embed([[1, 2, 3]])
+
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(main())
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_generate_on_an_embedding_model_is_refused(default_engine):
+    async def main():
+        async with InferenceClient(srv.address) as client:
+            return [c async for c in client.generate([1, 2, 3], max_tokens=4)]
+
+    with ServerThread(default_engine, ServerConfig(port=0)) as srv:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            asyncio.run(main())
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Generate needs a causal LM" in e.value.details()
