@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         row = f"{f'{args.latency_tokens}-token batch-1 round trip {q}, ms':<44}{d_lat[q]:>14.3f}"
         for res in served.values():
             ms = percentiles(res["latency"])[q]
-            row += f"{f'{ms:.3f} (+{ms - d_lat[q]:.3f})':>22}{ms / d_lat[q]:>8.3f}"
+            row += f"{f'{ms:.3f} ({ms - d_lat[q]:+.3f})':>22}{ms / d_lat[q]:>8.3f}"
         print(row)
     print("min cosine, server vs embedded API: " + ", ".join(f"{r['cosine']:.6f}" for r in served.values()))
     return 0
