@@ -14,6 +14,7 @@ import sys
 # name -> (module, help). The module defines add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
     "encode": ("florist.cli", "embed texts (arguments or stdin lines) and print the vectors as JSON"),
+    "embed": ("florist.batch.cli", "embed a file of documents (JSONL, CSV, Parquet, text) into Parquet; resumable, locally or on Ray"),
     "engine-server": ("florist.server.cli", "serve a model over gRPC to the gateway (pre-tokenized requests, batched on the device)"),
     "generate": ("florist.engine.generation.cli", "greedy text generation with a causal LM (Qwen3ForCausalLM), optionally tensor parallel"),
 }
