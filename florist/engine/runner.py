@@ -55,7 +55,7 @@ def default_graph_max_tokens(cfg: ModelConfig) -> int:
         + cfg.hidden_size * cfg.intermediate_size * (3 if cfg.family == "qwen3" else 2)
     )
     tokens = 16384 * qwen3_06b_flops_per_token / max(flops_per_token, 1)
-    return int(min(max(tokens, 4096), 32768)) // 256 * 256
+    return -(-int(min(max(tokens, 4096), 32768)) // 256) * 256
 
 
 class ModelRunner:
