@@ -90,7 +90,7 @@ class Engine:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, task: Task | None = None, attention_backend: str | None = None, max_batch_tokens: int = 16384, tensor_parallel_size: int = 1, generation: "GenerationConfig | None" = None) -> "Engine":
+    def from_pretrained(cls, path: str | Path | None = None, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, task: Task | None = None, attention_backend: str | None = None, max_batch_tokens: int = 16384, tensor_parallel_size: int | None = None, generation: "GenerationConfig | None" = None) -> "Engine":
         """Load a model directory (None: the default all-MiniLM-L6-v2). Never downloads.
 
         A causal LM (task "generate") is served by the generation engine: `generation` sets its
@@ -103,9 +103,11 @@ class Engine:
             from florist.engine.generation.config import GenerationConfig
             from florist.engine.generation.generator import Generator
 
-            config = replace(generation or GenerationConfig(), tensor_parallel_size=tensor_parallel_size)
+            config = generation or GenerationConfig()
+            if tensor_parallel_size is not None:
+                config = replace(config, tensor_parallel_size=tensor_parallel_size)
             return cls(md, Generator(md, dev, resolve_dtype(dtype, dev), config, attention_backend), max_batch_tokens)
-        if tensor_parallel_size != 1:
+        if tensor_parallel_size not in (None, 1):
             raise InputError(f"tensor parallelism serves causal LMs (task generate); {md.name} is loaded for {md.pipeline.task} on one device")
         return cls(md, ModelRunner(md, dev, resolve_dtype(dtype, dev), attention_backend), max_batch_tokens)
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from florist.engine.generation.batch import GenerationBatch
+from florist.kernels.kv_cache import store_kv
 from florist.layers.attention import AttentionFn
 
 # (q [B, Hq, D], k_cache, v_cache [S, L, Hkv, D], batch, scale) -> out [B, Hq, D]
@@ -119,8 +120,8 @@ class CachedAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         rows = self.k_cache.shape[0] * self.k_cache.shape[1]
-        self.k_cache.view(rows, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
-        self.v_cache.view(rows, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
+        flat = (self.num_kv_heads, self.head_dim)
+        store_kv(k, v, self.k_cache.view(rows, *flat), self.v_cache.view(rows, *flat), batch.slot_mapping)
         if batch.decode:
             out = self.decode_backend(q, self.k_cache, self.v_cache, batch, self.scale)
         else:
