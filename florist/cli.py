@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "embed": ("florist.batch.cli", "embed a file of documents (JSONL, CSV, Parquet, text) into Parquet; resumable, locally or on Ray"),
     "engine-server": ("florist.server.cli", "serve a model over gRPC to the gateway (pre-tokenized requests, batched on the device)"),
     "generate": ("florist.engine.generation.cli", "greedy text generation with a causal LM (Qwen3ForCausalLM), optionally tensor parallel"),
+    "serve": ("florist.gateway.cli", "serve a model over HTTP (OpenAI, text-embeddings-inference and Cohere-style APIs); starts the engines too"),
 }
 
 

@@ -1,0 +1,305 @@
+"""The gateway's own cost on the CPU: tokenization + HTTP for 512-token inputs, in requests/s.
+
+    (a) tokenization alone, batch 1, one thread: florist's TextProcessor vs the transformers
+        tokenizer called the way sentence-transformers calls it;
+    (b) HTTP, batch 1, C concurrent clients (in their own process): `florist serve` (aiohttp,
+        uvloop when installed) in front of a stub engine server (the real gRPC server and
+        scheduler, no model: every row is a constant vector), so what is measured is JSON,
+        validation, tokenization, the gRPC hop and the response, not the model;
+    (c) the baseline, same load: FastAPI + uvicorn, a pydantic request model, and the
+        transformers tokenizer as sentence-transformers calls it, answering the same response
+        without any engine hop (skipped when fastapi / uvicorn are not installed).
+
+The model is all-MiniLM-L6-v2's tokenizer and configuration with max_seq_length raised to 512
+(its position table has 512 entries), so inputs of exactly 512 tokens are accepted.
+
+    python bench/gateway.py                      # 10 s per measurement, 16 clients
+    python bench/gateway.py --clients 4 --seconds 20 --workers 2
+    python bench/gateway.py --smoke              # a second each, 2 clients: the code path only
+"""
+
+# NOTE: no `from __future__ import annotations`: FastAPI reads the baseline handler's annotations
+# at run time, and they name a class local to baseline_main.
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+# -- the model directory and the inputs ---------------------------------------------------------
+def make_model_dir(tmp: Path, max_len: int) -> Path:
+    from florist.engine.model_dir import default_model_path
+
+    src, dst = default_model_path(), tmp / "all-MiniLM-L6-v2-512"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "sentence_bert_config.json":
+            (dst / f.name).symlink_to(f)
+    cfg = json.loads((src / "sentence_bert_config.json").read_text())
+    (dst / "sentence_bert_config.json").write_text(json.dumps(dict(cfg, max_seq_length=max_len)))
+    return dst
+
+
+def make_texts(model_dir: Path, n: int, tokens: int, seed: int = 0) -> list[str]:
+    """n distinct texts of exactly `tokens` tokens (CLS and SEP included)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    candidates = sorted(w for w in tok.get_vocab() if w.isascii() and w.isalpha() and len(w) > 2)
+    words = [w for w, e in zip(candidates, tok.encode_batch(candidates, add_special_tokens=False)) if len(e.ids) == 1]
+    rng = np.random.default_rng(seed)
+    texts = [" ".join(rng.choice(words, size=tokens - 2)) for _ in range(n)]
+    lens = {len(e.ids) for e in tok.encode_batch(texts)}
+    assert lens == {tokens}, f"texts of {lens} tokens; expected {tokens}"
+    return texts
+
+
+# -- the stub engine (a subprocess) -------------------------------------------------------------
+class _Rows:
+    def __init__(self, rows: np.ndarray):
+        self.rows = rows
+
+    def numpy(self) -> np.ndarray:
+        return self.rows
+
+    def ready(self) -> bool:
+        return True
+
+
+class StubEngine:
+    """What the inference server needs of an engine, with no model behind it."""
+
+    def __init__(self, model_dir: Path):
+        from florist.engine.engine import ModelInfo
+        from florist.engine.model_dir import read_model_dir
+
+        md = read_model_dir(model_dir)
+        p = md.pipeline
+        self.info = ModelInfo(model_name=md.name, model_path=str(md.path), family=md.config.family, task=p.task, dimensions=md.config.hidden_size,
+                              max_input_tokens=p.max_seq_length, vocab_size=md.config.vocab_size, dtype="float32", device="cpu", pooling=p.pooling,
+                              normalize=p.normalize, prompts=p.prompt_dict, default_prompt_name=p.default_prompt_name, score_activation="identity",
+                              native_int8=False, tokenizer=str(md.tokenizer_file))
+        self.row = np.linspace(-1, 1, self.info.dimensions, dtype=np.float32)
+
+    def step(self, batch) -> _Rows:
+        return _Rows(np.broadcast_to(self.row, (batch.num_seqs, self.row.size)).copy())
+
+
+def stub_server_main(model_dir: str, conn) -> None:
+    from florist.server.service import ServerConfig, ServerThread
+
+    with ServerThread(StubEngine(Path(model_dir)), ServerConfig(port=0)) as srv:
+        conn.send(srv.address)
+        conn.recv()  # until told to stop
+
+
+# -- the baseline (a subprocess): FastAPI + uvicorn + the sentence-transformers tokenizer --------
+def baseline_main(model_dir: str, conn) -> None:
+    import uvicorn
+    from fastapi import FastAPI
+    from pydantic import BaseModel
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    max_len = json.loads((Path(model_dir) / "sentence_bert_config.json").read_text())["max_seq_length"]
+    row = np.linspace(-1, 1, 384, dtype=np.float32).tolist()
+
+    class EmbeddingRequest(BaseModel):
+        input: str | list[str]
+        model: str | None = None
+        encoding_format: str = "float"
+
+    app = FastAPI()
+
+    @app.post("/v1/embeddings")
+    def embeddings(req: EmbeddingRequest):  # a plain def: FastAPI runs it on its thread pool
+        texts = [req.input] if isinstance(req.input, str) else req.input
+        # What SentenceTransformer.tokenize does (padding, longest_first truncation, tensors).
+        batch = tokenizer(texts, padding=True, truncation="longest_first", return_tensors="pt", max_length=max_len)
+        n = int(batch["attention_mask"].sum())
+        return {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": row} for i in range(len(texts))],
+                "model": req.model, "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    conn.send(f"http://127.0.0.1:{sock.getsockname()[1]}")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+
+
+# -- the load (a subprocess) ----------------------------------------------------------------------
+def load_main(url: str, bodies: list[bytes], clients: int, warmup_s: float, seconds: float, conn) -> None:
+    import asyncio
+
+    import aiohttp
+
+    async def main():
+        latencies: list[float] = []
+        counting = asyncio.Event()
+        errors: list[str] = []
+
+        async def client(k: int, session):
+            i = k
+            while True:
+                body = bodies[i % len(bodies)]
+                i += clients
+                t = time.perf_counter()
+                async with session.post(url + "/v1/embeddings", data=body, headers={"Content-Type": "application/json"}) as r:
+                    reply = await r.read()
+                    if r.status != 200:
+                        errors.append(f"{r.status} {reply[:300]!r}")
+                if counting.is_set():
+                    latencies.append(time.perf_counter() - t)
+
+        connector = aiohttp.TCPConnector(limit=clients)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            tasks = [asyncio.ensure_future(client(k, session)) for k in range(clients)]
+            await asyncio.sleep(warmup_s)
+            counting.set()
+            await asyncio.sleep(seconds)
+            counting.clear()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return latencies, errors
+
+    latencies, errors = asyncio.run(main())
+    conn.send((latencies, errors[:3], len(errors)))
+
+
+def measure(ctx, url: str, bodies: list[bytes], args) -> dict:
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=load_main, args=(url, bodies, args.clients, args.warmup, args.seconds, child))
+    p.start()
+    latencies, errors, num_errors = parent.recv()
+    p.join()
+    if num_errors:
+        raise RuntimeError(f"{num_errors} requests failed, e.g. {errors}")
+    ms = sorted(x * 1e3 for x in latencies)
+    return {"rps": len(ms) / args.seconds, "p50": statistics.median(ms), "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))], "n": len(ms)}
+
+
+# -- tokenization alone ----------------------------------------------------------------------------
+def tokenization_rates(model_dir: Path, texts: list[str], seconds: float) -> dict[str, float]:
+    from florist.engine.model_dir import read_model_dir
+    from florist.text import TextProcessor
+
+    md = read_model_dir(model_dir)
+    processor = TextProcessor(str(md.tokenizer_file), md.config, md.pipeline)
+    rates = {"florist TextProcessor.encode": _rate(lambda t: processor.encode([t]), texts, seconds)}
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return rates
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    call = lambda t: hf([t], padding=True, truncation="longest_first", return_tensors="np", max_length=md.pipeline.max_seq_length)  # noqa: E731
+    rates["transformers tokenizer (sentence-transformers' call)"] = _rate(call, texts, seconds)
+    return rates
+
+
+def _rate(fn, texts, seconds: float) -> float:
+    for t in texts:  # warm-up: the first calls on a tokenizer are slower
+        fn(t)
+    n, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        fn(texts[n % len(texts)])
+        n += 1
+    return n / (time.perf_counter() - started)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=512, help="tokens per input (default 512)")
+    p.add_argument("--clients", type=int, default=16, help="concurrent HTTP clients (default 16)")
+    p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per server (default 10)")
+    p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first (default 2)")
+    p.add_argument("--workers", type=int, default=1, help="florist gateway workers (default 1)")
+    p.add_argument("--smoke", action="store_true", help="a second per measurement, 2 clients: the code path only")
+    args = p.parse_args()
+    if args.smoke:
+        args.clients, args.seconds, args.warmup = 2, 1.0, 0.5
+
+    from florist_procs import serve
+
+    ctx = mp.get_context("spawn")
+    tmp = Path(tempfile.mkdtemp(prefix="florist-bench-gateway-"))
+    stub = gateway = baseline = None
+    try:
+        model_dir = make_model_dir(tmp, args.tokens)
+        texts = make_texts(model_dir, 8 if args.smoke else 64, args.tokens)
+        bodies = [json.dumps({"input": t, "model": "all-MiniLM-L6-v2-512", "encoding_format": "float"}).encode() for t in texts]
+        print(f"inputs: {len(texts)} distinct texts of {args.tokens} tokens, batch 1; {os.cpu_count()} CPUs")
+
+        for name, rate in tokenization_rates(model_dir, texts, 0.5 if args.smoke else 3.0).items():
+            print(f"tokenization, one thread, {name}: {rate:.0f} texts/s")
+
+        stub_conn, child = ctx.Pipe()
+        stub = ctx.Process(target=stub_server_main, args=(str(model_dir), child))
+        stub.start()
+        engine_address = stub_conn.recv()
+        gateway, url = serve("--engines", engine_address, "--model", str(model_dir), "--workers", str(args.workers))
+        florist_result = measure(ctx, url, bodies, args)
+        results = {f"florist serve ({args.workers} worker{'s' if args.workers > 1 else ''}) + stub engine over gRPC": florist_result}
+
+        try:
+            import fastapi  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError:
+            print("baseline skipped: FastAPI + uvicorn are not installed (pip install fastapi uvicorn)")
+        else:
+            base_conn, child = ctx.Pipe()
+            baseline = ctx.Process(target=baseline_main, args=(str(model_dir), child))
+            baseline.start()
+            base_url = base_conn.recv()
+            _wait_http(base_url)
+            results["FastAPI + uvicorn + transformers tokenizer, no engine hop"] = measure(ctx, base_url, bodies, args)
+
+        print(f"\nHTTP POST /v1/embeddings, {args.tokens}-token inputs, batch 1, {args.clients} clients, {args.seconds:.0f} s after {args.warmup:.0f} s warm-up:")
+        print(f"{'server':<70} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+        for name, r in results.items():
+            print(f"{name:<70} {r['rps']:>8.1f} {r['p50']:>8.2f} {r['p99']:>8.2f}")
+        if len(results) == 2:
+            a, b = results.values()
+            print(f"florist / baseline requests/s: {a['rps'] / b['rps']:.2f}x")
+        return 0
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for proc in (baseline, stub):
+            if proc is not None:
+                proc.terminate()
+                proc.join(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_http(url: str, timeout_s: float = 60) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url + "/docs", timeout=2)
+            return
+        except (urllib.error.URLError, ConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""`florist serve`: the engine replicas and the HTTP gateway in one command.
+
+    florist serve                                   # the default model, one replica per GPU (one on CPU)
+    florist serve --model DIR --port 8000 --workers 4 --api-key KEY
+    florist serve --engines 10.0.0.5:50051,10.0.0.6:50051 --model DIR   # engines started elsewhere
+
+With --workers 1 the gateway runs inside this process; with more, each worker is a process
+listening on the same port (SO_REUSEPORT: the kernel spreads connections). Ctrl-C / SIGTERM
+stops the workers first, then the engines. This module stays light: `florist --help` imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from florist.gateway.config import GatewayConfig
+
+HELP = "serve a model over HTTP: OpenAI, text-embeddings-inference and Cohere-style APIs (starts the engines too)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = GatewayConfig(engines=())
+    p.add_argument("--model", default=None, help="model directory (default: all-MiniLM-L6-v2 from its wheel)")
+    p.add_argument("--host", default=d.host, help=f"HTTP address to listen on (default {d.host})")
+    p.add_argument("--port", type=int, default=d.port, help=f"HTTP port (default {d.port}; 0: any free port, printed at start)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--replicas", type=int, default=None, help="engine replicas to start (default: one per GPU, one on CPU)")
+    where.add_argument("--engines", default=None, help="use running engine servers instead: host:port,host:port,...")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or a list cuda:0,cuda:2 (default: every GPU, else the CPU)")
+    p.add_argument("--dtype", default=None, help="engine dtype: bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one engine batch (engine default)")
+    p.add_argument("--workers", type=int, default=1, help="gateway processes (default 1)")
+    p.add_argument("--api-key", default=os.environ.get("FLORIST_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $FLORIST_API_KEY; none: no key)")
+    p.add_argument("--payload-limit", type=int, default=d.payload_limit_bytes, help=f"largest request body in bytes (default {d.payload_limit_bytes})")
+    p.add_argument("--max-inputs", type=int, default=d.max_inputs, help=f"inputs per request at most (default {d.max_inputs})")
+    p.add_argument("--chunk-seqs", type=int, default=None, help="sequences per chunk sent to a replica (default: the engine's batch size)")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="tokens per chunk sent to a replica (default: the engine's batch tokens)")
+    p.add_argument("--tokenization-workers", type=int, default=d.tokenization_workers, help=f"tokenizer threads per gateway worker (default {d.tokenization_workers})")
+
+
+def run(args: argparse.Namespace) -> int:
+    from florist.gateway.supervisor import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name, value in (("--workers", args.workers), ("--replicas", args.replicas or 1), ("--max-inputs", args.max_inputs), ("--payload-limit", args.payload_limit)):
+        if value < 1:
+            print(f"florist serve: {name} must be at least 1", file=sys.stderr)
+            return 2
+    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip()) if args.engines else ()
+    config = GatewayConfig(
+        engines=engines, model=args.model, host=args.host, port=args.port, api_key=args.api_key or None,
+        payload_limit_bytes=args.payload_limit, max_inputs=args.max_inputs, chunk_seqs=args.chunk_seqs, chunk_tokens=args.chunk_tokens,
+        tokenization_workers=args.tokenization_workers, reuse_port=args.workers > 1,
+    )
+    engine_args = [a for flag, value in (("--model", args.model), ("--dtype", args.dtype), ("--max-batch-tokens", args.max_batch_tokens)) if value is not None for a in (flag, str(value))]
+    try:
+        return serve(config, workers=args.workers, engine_args=engine_args, device=args.device, replicas=args.replicas)
+    except (ConnectionError, OSError, RuntimeError) as e:
+        print(f"florist serve: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,26 @@
+"""Gateway settings, fixed at start-up (`florist serve` fills them from its flags)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    engines: tuple[str, ...]                 # host:port of each engine replica
+    model: str | None = None                 # local model directory for the tokenizer; None: the engines' own
+    host: str = "127.0.0.1"
+    port: int = 8000                         # 0: any free port (printed at start)
+    api_key: str | None = None               # None: no authentication
+    payload_limit_bytes: int = 16 << 20      # larger bodies get 413
+    max_inputs: int = 2048                   # inputs per request (OpenAI's limit)
+    chunk_seqs: int | None = None            # sequences per chunk; None: the engine's max batch sequences
+    chunk_tokens: int | None = None          # tokens per chunk; None: the engine's max batch tokens
+    min_chunk_tokens: int = 2048             # a request is split over replicas only into chunks this large
+    tokenization_workers: int = min(4, os.cpu_count() or 1)
+    request_timeout_s: float = 120.0
+    health_interval_s: float = 1.0
+    startup_timeout_s: float = 300.0
+    retry_after_s: int = 1
+    reuse_port: bool = False                 # several worker processes on one port (SO_REUSEPORT)

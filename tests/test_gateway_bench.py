@@ -1,0 +1,19 @@
+"""bench/gateway.py --smoke: the measurement's code path (model directory, 512-token inputs, stub
+engine, `florist serve`, the load process, the FastAPI baseline when installed, the table)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gateway_bench_smoke():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gateway.py"), "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"tokenization, one thread, florist TextProcessor.encode: \d+ texts/s", out.stdout)
+    row = re.search(r"florist serve \(1 worker\) \+ stub engine over gRPC\s+([0-9.]+)", out.stdout)
+    assert row and float(row.group(1)) > 0, out.stdout

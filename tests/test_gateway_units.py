@@ -1,0 +1,246 @@
+"""Gateway parts without sockets: request models, input shapes, chunking, the balancer and the
+dispatcher's failover (with fake replicas), error bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from dataclasses import dataclass
+from typing import Literal
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from florist.gateway.balancer import Balancer
+from florist.gateway.chunking import parts_for, split
+from florist.gateway.dispatch import ChunkLimits, Dispatcher
+from florist.gateway.errors import ApiError, error_body
+from florist.gateway.inputs import parse_inputs
+from florist.gateway.schema import parse
+from florist.server import proto
+
+
+# -- request models -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Example:
+    query: str
+    texts: list[str]
+    top_n: int | None = None
+    scale: float = 1.0
+    mode: Literal["a", "b"] = "a"
+    flag: bool = False
+
+
+@pytest.mark.parametrize("body,message", [
+    ([], "must be a JSON object with the fields query, texts"),
+    ({"texts": []}, "missing field 'query': it must be a string"),
+    ({"query": 1, "texts": []}, "query must be a string; got an integer (1)"),
+    ({"query": "q", "texts": "t"}, "texts must be a list of strings; got a string"),
+    ({"query": "q", "texts": ["a", 2]}, "texts must be a list of strings; got an array"),
+    ({"query": "q", "texts": [], "top_n": True}, "top_n must be an integer or null; got a boolean"),
+    ({"query": "q", "texts": [], "top_n": 1.5}, "top_n must be an integer or null; got a number"),
+    ({"query": "q", "texts": [], "mode": "c"}, "mode must be one of 'a', 'b'; got a string ('c')"),
+    ({"query": "q", "texts": [], "flag": "yes"}, "flag must be a boolean"),
+    ({"query": "q", "texts": [], "topn": 3}, "unknown field 'topn'; this route takes: query, texts, top_n, scale, mode, flag"),
+])
+def test_parse_refuses_with_a_message(body, message):
+    with pytest.raises(ApiError) as err:
+        parse(Example, body)
+    assert err.value.status == 400 and message in err.value.message
+
+
+def test_parse_accepts_and_defaults():
+    got = parse(Example, {"query": "q", "texts": ["a"], "scale": 2, "top_n": None})
+    assert got == Example("q", ["a"], None, 2, "a", False)
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+def test_input_shapes():
+    assert parse_inputs("a", field="input", input_format="json", max_inputs=4) == ["a"]
+    assert parse_inputs(["a", "b"], field="input", input_format="json", max_inputs=4) == ["a", "b"]
+    (one,) = parse_inputs([1, 2, 3], field="input", input_format="json", max_inputs=4)
+    assert one.tolist() == [1, 2, 3]
+    assert [x.tolist() for x in parse_inputs([[1], [2, 3]], field="input", input_format="json", max_inputs=4)] == [[1], [2, 3]]
+    packed = [base64.b64encode(np.asarray(ids, "<i4").tobytes()).decode() for ids in ([5, 6], [7])]
+    assert [x.tolist() for x in parse_inputs(packed, field="input", input_format="base64", max_inputs=4)] == [[5, 6], [7]]
+
+
+@pytest.mark.parametrize("value,fmt,message", [
+    ({}, "json", "input must be a string, a list of strings, a list of token ids or a list of token-id lists; got an object"),
+    ([], "json", "input is empty"),
+    (["a", 1], "json", "input[1] is an integer; inputs must all be strings"),
+    ([[1], "a"], "json", "input[1] is a string; inputs must all be token-id lists"),
+    ([[1, 2.5]], "json", "input[0] must be a list of integer token ids; it holds a number (2.5)"),
+    ([[1, True]], "json", "it holds a boolean"),
+    ([[10**30]], "json", "too large for any vocabulary"),
+    (["a"] * 5, "json", "input has 5 inputs; this server takes at most 4 per request"),
+    (["@@@"], "base64", "input[0] is not valid base64"),
+    (["AQID"], "base64", "decodes to 3 bytes, not a multiple of 4"),
+    ([1], "base64", 'with input_format "base64", input must be a base64 string'),
+])
+def test_bad_inputs(value, fmt, message):
+    with pytest.raises(ApiError) as err:
+        parse_inputs(value, field="input", input_format=fmt, max_inputs=4)
+    assert err.value.status == 400 and message in err.value.message, err.value.message
+
+
+# -- chunking -------------------------------------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(lens=st.lists(st.integers(1, 600), min_size=1, max_size=80), max_seqs=st.integers(1, 40), max_tokens=st.integers(1, 2000), min_parts=st.integers(1, 6))
+def test_split_covers_in_order_within_bounds(lens, max_seqs, max_tokens, min_parts):
+    bounds = split(lens, max_seqs=max_seqs, max_tokens=max_tokens, min_parts=min_parts)
+    assert bounds[0][0] == 0 and bounds[-1][1] == len(lens)
+    assert all(a < b for a, b in bounds) and all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))
+    for a, b in bounds:
+        assert b - a <= max_seqs
+        assert sum(lens[a:b]) <= max_tokens or b - a == 1  # only a lone over-long sequence exceeds it
+    assert len(bounds) >= min(min_parts, len(lens))
+
+
+def test_split_balances_tokens_over_parts():
+    bounds = split([100] * 40, max_seqs=256, max_tokens=16384, min_parts=2)
+    assert bounds == [(0, 20), (20, 40)]
+    assert split([5, 5], max_seqs=256, max_tokens=16384) == [(0, 2)]
+    assert parts_for(1000, healthy_replicas=4, min_chunk_tokens=2048) == 1
+    assert parts_for(10_000, healthy_replicas=4, min_chunk_tokens=2048) == 4
+    assert parts_for(10_000, healthy_replicas=0, min_chunk_tokens=2048) == 1
+
+
+# -- balancer and dispatcher with fake replicas ---------------------------------------------------
+class FakeRpcError(grpc.aio.AioRpcError):
+    def __init__(self, code, details="x"):
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class FakeClient:
+    """A replica: answers row k of a chunk with the chunk's first id of sequence k (so order shows)."""
+
+    behaviour: dict[str, object] = {}
+    calls: list[tuple[str, int]] = []
+
+    def __init__(self, address):
+        self.address = address
+        self.channel = self
+
+    async def close(self, grace=None):
+        pass
+
+    async def health(self, timeout=None):
+        fail = self.behaviour.get(("health", self.address))
+        if fail:
+            raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        return proto.HealthResponse(status=proto.HealthResponse.SERVING)
+
+    async def info(self, timeout=None):
+        name = self.behaviour.get(("model", self.address), "m")
+        return proto.InfoResponse(model_name=name, task="embed", dimensions=1, vocab_size=100, max_input_tokens=64, tokenizer_sha256="s")
+
+    async def embed(self, seqs, *, timeout=None, **options):
+        self.calls.append((self.address, len(seqs)))
+        await asyncio.sleep(0.01)
+        code = self.behaviour.get(("embed", self.address))
+        if code is not None:
+            raise FakeRpcError(code, "gone")
+        return np.asarray([[float(s[0])] for s in seqs], dtype=np.float32)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def make(addresses, behaviour, max_seqs=2):
+    FakeClient.behaviour, FakeClient.calls = dict(behaviour), []
+    balancer = Balancer(addresses, client_factory=FakeClient, interval_s=0.05)
+    await balancer.start(timeout_s=1)
+    return balancer, Dispatcher(balancer, ChunkLimits(max_seqs=max_seqs, max_tokens=1000, min_tokens=1), timeout_s=5)
+
+
+def seqs(n):
+    return [np.asarray([i, 1, 2]) for i in range(n)]
+
+
+def test_chunks_spread_over_replicas_and_come_back_in_order():
+    async def go():
+        balancer, d = await make(["a", "b"], {})
+        out = await d.embed(seqs(10), dimensions=None, normalize=None, encoding="float")
+        await balancer.close()
+        return out
+
+    out = run(go())
+    assert out[:, 0].tolist() == list(range(10))
+    assert {a for a, _ in FakeClient.calls} == {"a", "b"} and sum(n for _, n in FakeClient.calls) == 10
+
+
+def test_a_failed_replica_is_taken_out_and_its_chunks_retried_elsewhere():
+    async def go():
+        balancer, d = await make(["a", "b"], {("embed", "a"): grpc.StatusCode.UNAVAILABLE})
+        out = await d.embed(seqs(10), dimensions=None, normalize=None, encoding="float")
+        down = [r.address for r in balancer.replicas if not r.healthy]
+        # The probe loop keeps "a" out while its Health fails, and lets it back in after.
+        FakeClient.behaviour[("health", "a")] = True
+        await asyncio.sleep(0.2)
+        still_down = not balancer.replicas[0].healthy
+        FakeClient.behaviour.pop(("health", "a"))
+        FakeClient.behaviour.pop(("embed", "a"))
+        await asyncio.sleep(0.2)
+        back = balancer.replicas[0].healthy
+        await balancer.close()
+        return out, down, still_down, back
+
+    out, down, still_down, back = run(go())
+    assert out[:, 0].tolist() == list(range(10))
+    assert down == ["a"] and still_down and back
+
+
+def test_no_replica_left_is_503_and_overload_is_429():
+    async def go(behaviour):
+        balancer, d = await make(["a", "b"], behaviour)
+        try:
+            await d.embed(seqs(3), dimensions=None, normalize=None, encoding="float")
+        finally:
+            await balancer.close()
+
+    with pytest.raises(ApiError) as err:
+        run(go({("embed", "a"): grpc.StatusCode.UNAVAILABLE, ("embed", "b"): grpc.StatusCode.CANCELLED}))
+    assert err.value.status == 503 and err.value.retry_after_s == 1
+    with pytest.raises(ApiError) as err:
+        run(go({("embed", "a"): grpc.StatusCode.RESOURCE_EXHAUSTED, ("embed", "b"): grpc.StatusCode.RESOURCE_EXHAUSTED}))
+    assert err.value.status == 429 and "overloaded" in err.value.message
+    with pytest.raises(ApiError) as err:  # an engine error is not retried: it may well repeat
+        run(go({("embed", "a"): grpc.StatusCode.INTERNAL, ("embed", "b"): grpc.StatusCode.INTERNAL}))
+    assert err.value.status == 500 and len(FakeClient.calls) <= 2
+
+
+def test_least_outstanding_tokens_wins():
+    async def go():
+        balancer, _ = await make(["a", "b", "c"], {})
+        a, b, c = balancer.replicas
+        a.outstanding_tokens, b.outstanding_tokens, c.outstanding_tokens = 500, 20, 300
+        first = balancer.pick()
+        second = balancer.pick(exclude=[b])
+        await balancer.close()
+        return first.address, second.address
+
+    assert run(go()) == ("b", "c")
+
+
+def test_a_replica_serving_another_model_is_refused():
+    async def go():
+        FakeClient.behaviour = {("model", "b"): "other"}
+        balancer = Balancer(["a", "b"], client_factory=FakeClient)
+        try:
+            await balancer.start(timeout_s=1)
+        finally:
+            await balancer.close()
+
+    with pytest.raises(ValueError, match="engine replica b serves another model"):
+        run(go())
+
+
+def test_error_bodies_per_family():
+    e = ApiError(429, "slow down", retry_after_s=1)
+    assert error_body("openai", e) == {"error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": "overloaded"}}
+    assert error_body("tei", e) == {"error": "slow down", "error_type": "Overloaded"}
+    assert error_body("cohere", e) == {"message": "slow down"}
