@@ -151,6 +151,7 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--batch-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--margin", type=float, default=0.1, help="bf16 fidelity: allowed gap to transformers' argmax logit")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
@@ -166,7 +167,7 @@ def main():
         path = make_model(tmp / "qwen3-0.6b", "qwen3-0.6b", variant="reranker")
         run(path, name="qwen3-0.6b bf16", dtype=torch.bfloat16, device=device, prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
             hf_decode_tokens=args.hf_decode_tokens, batch=args.batch, batch_new_tokens=args.batch_new_tokens, repeats=args.repeats,
-            margin=0.1, baseline=not args.no_baseline)
+            margin=args.margin, baseline=not args.no_baseline)
     if args.json:
         Path(args.json).write_text(json.dumps(ROWS, indent=1, default=str))
     print("\n== summary ==")
