@@ -132,12 +132,13 @@ def test_tei_embed_options_and_base64_ids(gateways, default_engine):
 
 
 def test_many_inputs_are_split_over_replicas_and_reassembled(gateways, default_engine):
-    """64 inputs in chunks of 8 over two replicas, 12 requests at once: every row in its place."""
+    """Up to 64 inputs in chunks of 8 over two replicas, 8 requests at once: every row in its place."""
     import aiohttp
 
     rng = np.random.default_rng(0)
     words = ["rose", "tulip", "seed", "soil", "water", "sun", "rain", "green", "garden", "search", "engine"]
-    requests = [[" ".join(rng.choice(words, size=rng.integers(1, 60))) for _ in range(int(rng.integers(1, 65)))] for _ in range(12)]
+    requests = [[" ".join(rng.choice(words, size=rng.integers(1, 24))) for _ in range(int(rng.integers(1, 65)))] for _ in range(8)]
+    requests[0] = requests[0][:1]
 
     async def go():
         async with aiohttp.ClientSession(headers=AUTH) as s:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -244,3 +245,24 @@ def test_error_bodies_per_family():
     assert error_body("openai", e) == {"error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": "overloaded"}}
     assert error_body("tei", e) == {"error": "slow down", "error_type": "Overloaded"}
     assert error_body("cohere", e) == {"message": "slow down"}
+
+
+# -- JSON with and without orjson ------------------------------------------------------------------
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson", "stdlib"])
+def test_json_in_and_out(monkeypatch, fast):
+    from florist.gateway import jsonio
+
+    if not fast:
+        monkeypatch.setattr(jsonio, "orjson", None)
+    elif jsonio.orjson is None:
+        pytest.skip("orjson is not installed")
+    assert jsonio.loads(b'{"a": [1, 2.5, "x"]}') == {"a": [1, 2.5, "x"]}
+    for bad, message in ((b'{"a": NaN}', "not valid JSON"), (b'{"a": ', "not valid JSON"), (b"", "body is empty"), (b"[" * 100_000, "")):
+        with pytest.raises(ApiError) as err:
+            jsonio.loads(bad)
+        assert err.value.status == 400 and message in err.value.message
+    with pytest.raises(ApiError) as err:
+        jsonio.loads(b'"\xff"')
+    assert err.value.status == 400
+    rows = np.asarray([[0.5, -1.25]], dtype=np.float32)
+    assert json.loads(jsonio.dumps({"x": list(rows), "b": np.asarray([1, 255], np.uint8)})) == {"x": [[0.5, -1.25]], "b": [1, 255]}

@@ -7,7 +7,8 @@
 Engines start in parallel; each prints "listening on HOST:PORT" once serving, which is how its
 OS-chosen port is learnt. An engine that exits unexpectedly is restarted on the same port (with
 back-off), so the gateways' balancers probe it back in. Children get SIGTERM if the serve
-process dies (Linux PR_SET_PDEATHSIG), so no replica outlives it.
+process dies (Linux PR_SET_PDEATHSIG), so no replica outlives it; an engine replica is therefore
+started as `python -m florist.gateway.processes ARGS`, `florist engine-server ARGS` behind that.
 """
 
 from __future__ import annotations
@@ -23,17 +24,18 @@ import time
 
 log = logging.getLogger("florist.serve")
 
-try:  # resolved before any fork: the pre-exec hook must not load libraries
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-except (OSError, AttributeError):  # pragma: no cover
-    _prctl = None
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """(In a child.) Get SIGTERM when the parent process dies."""
-    if _prctl is not None:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """(In a child.) Get SIGTERM when the parent process dies; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):  # pragma: no cover
+            return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        sys.exit(1)
 
 
 class EngineProcess:
@@ -48,10 +50,13 @@ class EngineProcess:
         self.restarts, self.started_at, self.restart_at = 0, 0.0, None
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "florist.server", *self.engine_args, "--device", self.device, "--host", "127.0.0.1", "--port", str(self.port)]
+        # `florist engine-server` through this module's __main__, which first asks to die with us.
+        # (Not a preexec_fn: that forces fork() in a process whose gRPC threads are running.)
+        cmd = [sys.executable, "-m", "florist.gateway.processes", *self.engine_args, "--device", self.device, "--host", "127.0.0.1", "--port", str(self.port)]
         self.ready.clear()
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+        env = dict(self.env, FLORIST_PARENT_PID=str(os.getpid()))
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self._read_stdout, args=(self.proc,), name=f"engine-{self.index}-stdout", daemon=True).start()
 
     def _read_stdout(self, proc: subprocess.Popen) -> None:
@@ -147,3 +152,10 @@ def engine_env(devices: list[str]) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // cpu_replicas))
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the engines keep their own registries
     return env
+
+
+if __name__ == "__main__":  # an engine replica of `florist serve`: `florist engine-server ARGS` that dies with its parent
+    die_with_parent(int(os.environ.pop("FLORIST_PARENT_PID", os.getppid())))
+    from florist.server.cli import main
+
+    sys.exit(main(sys.argv[1:]))

@@ -65,8 +65,14 @@ def describe(hint) -> str:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(hint))
     if origin is list:
         (item,) = typing.get_args(hint)
-        return f"a list of {describe(item).removeprefix('a ').removeprefix('an ')}s"
+        return "a list of " + _plural(describe(item))
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _plural(desc: str) -> str:
+    """"a string" -> "strings", "a list of integers" -> "lists of integers"."""
+    desc = desc.removeprefix("a ").removeprefix("an ")
+    return "lists of " + desc.removeprefix("list of ") if desc.startswith("list of ") else desc + "s"
 
 
 @functools.lru_cache(maxsize=None)

@@ -83,10 +83,10 @@ def _serve_in_process(config: GatewayConfig, engines: list[EngineProcess]) -> in
     return 0
 
 
-def _worker_main(config: GatewayConfig, ready, index: int) -> None:
+def _worker_main(config: GatewayConfig, ready, index: int, parent_pid: int) -> None:
     from florist.gateway.server import run_loop, serve_until_signal
 
-    die_with_parent()
+    die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
     try:
         run_loop(serve_until_signal(config, lambda running: ready.put(("ready", running.pipeline.info.model_name))))
@@ -116,7 +116,7 @@ def _serve_workers(config: GatewayConfig, n: int, engines: list[EngineProcess]) 
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers only
-    procs = [ctx.Process(target=_worker_main, args=(config, ready, k), name=f"florist-gateway-{k}") for k in range(n)]
+    procs = [ctx.Process(target=_worker_main, args=(config, ready, k, os.getpid()), name=f"florist-gateway-{k}") for k in range(n)]
     try:
         for p in procs:
             p.start()
