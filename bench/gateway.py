@@ -206,7 +206,7 @@ def tokenization_rates(model_dir: Path, texts: list[str], seconds: float) -> dic
     except ImportError:
         return rates
     hf = AutoTokenizer.from_pretrained(str(model_dir))
-    call = lambda t: hf([t], padding=True, truncation="longest_first", return_tensors="np", max_length=md.pipeline.max_seq_length)  # noqa: E731
+    call = lambda t: hf([t], padding=True, truncation="longest_first", return_tensors="np", max_length=md.pipeline.max_seq_length)
     rates["transformers tokenizer (sentence-transformers' call)"] = _rate(call, texts, seconds)
     return rates
 

@@ -16,7 +16,6 @@ import urllib.request
 
 import numpy as np
 import pytest
-
 from florist_procs import FloristProcess
 
 KEY = "test-key-8c1f"

@@ -12,7 +12,6 @@ import time
 
 import aiohttp
 import numpy as np
-
 from florist_procs import engine_servers, serve
 from test_gateway import TOL, call, error_message
 

@@ -7,11 +7,11 @@ import threading
 
 import numpy as np
 import pytest
+from test_gateway import TOL, call, error_message
 
 from florist.gateway.config import GatewayConfig
 from florist.gateway.server import GatewayThread
 from florist.server.service import ServerConfig, ServerThread
-from test_gateway import TOL, call, error_message
 
 
 def engine(path, **kw):

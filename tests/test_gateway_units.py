@@ -12,7 +12,8 @@ from typing import Literal
 import grpc
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from florist.gateway.balancer import Balancer
 from florist.gateway.chunking import parts_for, split

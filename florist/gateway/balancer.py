@@ -14,9 +14,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import grpc
 
@@ -87,7 +88,7 @@ class Balancer:
     async def start(self, timeout_s: float):
         """Probe until one replica is up (-> its Info); refuse replicas serving another model."""
         deadline = time.monotonic() + timeout_s
-        while True:
+        for attempt in itertools.count():
             await asyncio.gather(*(self.probe(r) for r in self.replicas))
             bad = [r for r in self.replicas if r.incompatible]
             if bad:
@@ -97,6 +98,8 @@ class Balancer:
             if time.monotonic() > deadline:
                 errors = "; ".join(f"{r.address}: {r.last_error}" for r in self.replicas)
                 raise ConnectionError(f"no engine replica answered within {timeout_s:.0f} s ({errors}); start one with `florist engine-server`")
+            if attempt == 0:
+                log.info("waiting up to %.0f s for an engine replica at %s", timeout_s, ", ".join(r.address for r in self.replicas))
             await asyncio.sleep(0.2)
         self._task = asyncio.get_running_loop().create_task(self._loop())
         return self.info

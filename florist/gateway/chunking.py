@@ -11,7 +11,7 @@ token counts, so a large request keeps every healthy replica busy; a small one s
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def split(lens: Sequence[int], *, max_seqs: int, max_tokens: int, min_parts: int = 1) -> list[tuple[int, int]]:

@@ -75,7 +75,7 @@ def _plural(desc: str) -> str:
     return "lists of " + desc.removeprefix("list of ") if desc.startswith("list of ") else desc + "s"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fields(cls) -> tuple[tuple[dataclasses.Field, Any], ...]:
     hints = typing.get_type_hints(cls)
     return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -75,7 +75,7 @@ def run_loop(main) -> None:
         return runner.run(main)
 
 
-async def serve_until_signal(config: GatewayConfig, on_ready: Callable[[RunningGateway], None], also: Callable[[], "asyncio.Future"] | None = None) -> None:
+async def serve_until_signal(config: GatewayConfig, on_ready: Callable[[RunningGateway], None], also: Callable[[], asyncio.Future] | None = None) -> None:
     """Serve until SIGINT / SIGTERM (or until `also()` finishes, e.g. a supervisor giving up)."""
     running = await start_gateway(config)
     stop = asyncio.Event()
@@ -114,7 +114,7 @@ class GatewayThread:
     def url(self) -> str:
         return f"http://{self.config.host}:{self.port}"
 
-    def __enter__(self) -> "GatewayThread":
+    def __enter__(self) -> GatewayThread:
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
