@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-tokens", type=int, default=128)
     p.add_argument("--latency-n", type=int, default=500)
     p.add_argument("--rounds", type=int, default=10, help="throughput rounds (after one warm-up round)")
-    p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="default: the server's own default")
     p.add_argument("--spin-ms", default="2,0", help="comma-separated server --spin-ms values to compare")
     args = p.parse_args(argv)
     if args.smoke:
@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"built a random {geometry} in {time.perf_counter() - t:.1f} s", flush=True)
         engine = Engine.from_pretrained(model, device=device, dtype=args.dtype)
         info = engine.info
+        # The server's default budget, so direct step() and the server run the same batches.
+        args.max_batch_tokens = args.max_batch_tokens or engine.graph_max_tokens or 16384
         rng = np.random.default_rng(0)
         seqs = [rng.integers(0, info.vocab_size, size=args.tokens, dtype=np.int32) for _ in range(args.requests)]
         latency_seq = rng.integers(0, info.vocab_size, size=args.latency_tokens, dtype=np.int32)

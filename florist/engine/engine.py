@@ -111,6 +111,12 @@ class Engine:
             raise InputError(f"tensor parallelism serves causal LMs (task generate); {md.name} is loaded for {md.pipeline.task} on one device")
         return cls(md, ModelRunner(md, dev, resolve_dtype(dtype, dev), attention_backend), max_batch_tokens)
 
+    @property
+    def graph_max_tokens(self) -> int | None:
+        """The largest batch (tokens) replayed from a CUDA graph; None without graphs."""
+        graphs = getattr(self.runner, "graphs", None)
+        return graphs.max_tokens if graphs is not None else None
+
     # -- public API ----------------------------------------------------------------------------
     def tokenize(self, texts: Sequence[str], *, prompt_name: str | None = None, prompt: str | None = None, truncate: bool = False) -> list[list[int]]:
         prompt_text = self.text.resolve_prompt(prompt_name, prompt)

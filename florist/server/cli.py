@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--task", default=None, choices=["embed", "score"], help="override the task read from the model directory")
-    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help=f"token budget of one batch (default {d.max_batch_tokens})")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="token budget of one batch (default: the largest batch the engine replays from a CUDA graph, else 16384)")
     p.add_argument("--max-batch-seqs", type=int, default=d.max_batch_seqs, help=f"sequences in one batch at most (default {d.max_batch_seqs})")
     p.add_argument("--max-pending-tokens", type=int, default=d.max_pending_tokens, help=f"queued tokens beyond which requests get RESOURCE_EXHAUSTED (default {d.max_pending_tokens})")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (default: off)")

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port (RunningServer.port says which)
-    # Large enough that a batch keeps a 0.6B model's GPU busy while the next one is launched:
-    # with 16384 the H200 ran 100 x 512-token requests at 0.71 of one direct step() (bench/server.py).
-    max_batch_tokens: int = 32768
+    # None: the largest batch the engine replays from a CUDA graph (else 16384). Larger batches
+    # run eagerly, and an eager launch of a big model takes tens of ms of the event loop's CPU.
+    max_batch_tokens: int | None = None
     max_batch_seqs: int = 256
     max_pending_tokens: int = 1 << 20
     max_in_flight: int = 2

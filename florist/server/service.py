@@ -15,6 +15,7 @@ the same ids. Errors map to status codes once, here:
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 import hashlib
 import threading
 import time
@@ -191,6 +192,8 @@ def _hostport(host: str, port: int) -> str:
 
 async def start_server(engine, config: ServerConfig = ServerConfig()) -> RunningServer:
     """Start serving `engine` on the running event loop."""
+    if config.max_batch_tokens is None:
+        config = replace(config, max_batch_tokens=getattr(engine, "graph_max_tokens", None) or 16384)
     metrics = make_metrics()
     scheduler = Scheduler(config.max_batch_tokens, config.max_batch_seqs, config.max_pending_tokens)
     batcher = Batcher(engine, scheduler, metrics, max_in_flight=config.max_in_flight, launch=config.launch, spin_s=config.spin_ms / 1e3)
