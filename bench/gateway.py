@@ -8,14 +8,18 @@
         validation, tokenization, the gRPC hop and the response, not the model;
     (c) the baseline, same load: FastAPI + uvicorn, a pydantic request model, and the
         transformers tokenizer as sentence-transformers calls it, answering the same response
-        without any engine hop (skipped when fastapi / uvicorn are not installed).
+        without any engine hop (skipped when fastapi / uvicorn are not installed);
+    (d) with --latency (the GPU figure): batch-1 128-token requests one after another on a real
+        engine replica, through HTTP (text, and token ids) and as a direct gRPC call with the
+        same ids; the difference in p50 is what the gateway adds.
 
 The model is all-MiniLM-L6-v2's tokenizer and configuration with max_seq_length raised to 512
 (its position table has 512 entries), so inputs of exactly 512 tokens are accepted.
 
     python bench/gateway.py                      # 10 s per measurement, 16 clients
     python bench/gateway.py --clients 4 --seconds 20 --workers 2
-    python bench/gateway.py --smoke              # a second each, 2 clients: the code path only
+    python bench/gateway.py --latency --model DIR   # (d) on the GPU: what HTTP adds over gRPC, p50
+    python bench/gateway.py --smoke              # (a)-(d) a second or a few requests each, CPU
 """
 
 # NOTE: no `from __future__ import annotations`: FastAPI reads the baseline handler's annotations
@@ -200,42 +204,33 @@ def tokenization_rates(model_dir: Path, texts: list[str], seconds: float) -> dic
 
     md = read_model_dir(model_dir)
     processor = TextProcessor(str(md.tokenizer_file), md.config, md.pipeline)
-    rates = {"florist TextProcessor.encode": _rate(lambda t: processor.encode([t]), texts, seconds)}
+    fns = {"florist TextProcessor.encode": lambda t: processor.encode([t])}
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        return rates
-    hf = AutoTokenizer.from_pretrained(str(model_dir))
-    call = lambda t: hf([t], padding=True, truncation="longest_first", return_tensors="np", max_length=md.pipeline.max_seq_length)
-    rates["transformers tokenizer (sentence-transformers' call)"] = _rate(call, texts, seconds)
-    return rates
+        pass
+    else:
+        hf = AutoTokenizer.from_pretrained(str(model_dir))
+        fns["transformers tokenizer (sentence-transformers' call)"] = lambda t: hf(
+            [t], padding=True, truncation="longest_first", return_tensors="np", max_length=md.pipeline.max_seq_length)
+    for fn in fns.values():  # warm-up: the first calls on a tokenizer are slower
+        for t in texts:
+            fn(t)
+    # Slices taken in turn, so a change of clock speed or load hits every tokenizer alike.
+    counts, spent = dict.fromkeys(fns, 0), dict.fromkeys(fns, 0.0)
+    for _ in range(10):
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            while time.perf_counter() - started < seconds / 10:
+                fn(texts[counts[name] % len(texts)])
+                counts[name] += 1
+            spent[name] += time.perf_counter() - started
+    return {name: counts[name] / spent[name] for name in fns}
 
 
-def _rate(fn, texts, seconds: float) -> float:
-    for t in texts:  # warm-up: the first calls on a tokenizer are slower
-        fn(t)
-    n, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        fn(texts[n % len(texts)])
-        n += 1
-    return n / (time.perf_counter() - started)
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=512, help="tokens per input (default 512)")
-    p.add_argument("--clients", type=int, default=16, help="concurrent HTTP clients (default 16)")
-    p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per server (default 10)")
-    p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first (default 2)")
-    p.add_argument("--workers", type=int, default=1, help="florist gateway workers (default 1)")
-    p.add_argument("--smoke", action="store_true", help="a second per measurement, 2 clients: the code path only")
-    args = p.parse_args()
-    if args.smoke:
-        args.clients, args.seconds, args.warmup = 2, 1.0, 0.5
-
+def throughput(args, ctx) -> None:
     from florist_procs import serve
 
-    ctx = mp.get_context("spawn")
     tmp = Path(tempfile.mkdtemp(prefix="florist-bench-gateway-"))
     stub = gateway = baseline = None
     try:
@@ -275,7 +270,6 @@ def main() -> int:
         if len(results) == 2:
             a, b = results.values()
             print(f"florist / baseline requests/s: {a['rps'] / b['rps']:.2f}x")
-        return 0
     finally:
         if gateway is not None:
             gateway.stop()
@@ -284,6 +278,101 @@ def main() -> int:
                 proc.terminate()
                 proc.join(10)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def text_of(processor, tokens: int) -> str:
+    """A plain English text of `tokens` tokens (special tokens included), or the closest below."""
+    words = ("the quick brown fox jumps over the lazy dog while search engines rank every document "
+             "by how well it answers the query " * 200).split()
+    lo, hi = 1, len(words)
+    while lo < hi:  # the most words that still fit
+        mid = (lo + hi + 1) // 2
+        if len(processor.encode([" ".join(words[:mid])], truncate=True)[0]) <= tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(words[:lo])
+
+
+def latency(args) -> None:
+    """Batch-1 requests one after another: HTTP (text, and token ids) vs a direct gRPC call to
+    the same engine replica with the same ids; the difference is what the gateway adds."""
+    import asyncio
+
+    import aiohttp
+
+    from florist.engine.model_dir import read_model_dir
+    from florist.server.client import InferenceClient
+    from florist.text import TextProcessor
+    from florist_procs import serve
+
+    serve_args = ["--replicas", "1"] + (["--model", args.model] if args.model else []) + (["--device", args.device] if args.device else [])
+    gateway, url = serve(*serve_args)
+    try:
+        engine = gateway.wait_for(r"engine replica 0 \(pid \d+, ([^)]*)\) on (\S+)")
+        device, address = engine.group(1), engine.group(2)
+        md = read_model_dir(args.model)
+        processor = TextProcessor(str(md.tokenizer_file), md.config, md.pipeline)
+        text = text_of(processor, args.latency_tokens)
+        ids = processor.encode([text])[0]
+        n, warmup = (10, 3) if args.smoke else (args.requests, 50)
+
+        async def run():
+            times: dict[str, list[float]] = {"direct gRPC (ids)": [], "HTTP /v1/embeddings (text)": [], "HTTP /v1/embeddings (token ids)": []}
+            bodies = {"HTTP /v1/embeddings (text)": {"input": text, "encoding_format": "float"},
+                      "HTTP /v1/embeddings (token ids)": {"input": [ids.tolist()], "encoding_format": "float"}}
+            async with InferenceClient(address) as client, aiohttp.ClientSession(url) as session:
+                async def http(body):
+                    async with session.post("/v1/embeddings", json=body) as r:
+                        assert r.status == 200, await r.text()
+                        return np.asarray((await r.json())["data"][0]["embedding"], dtype=np.float32)
+
+                direct = (await client.embed([ids]))[0]
+                for body in bodies.values():  # the same vector either way
+                    assert np.abs(await http(body) - direct).max() < 1e-3
+                for k in range(warmup + n):  # in turn, so drift hits all three alike
+                    for name in times:
+                        t = time.perf_counter()
+                        await (client.embed([ids]) if name.startswith("direct") else http(bodies[name]))
+                        if k >= warmup:
+                            times[name].append((time.perf_counter() - t) * 1e3)
+            return times
+
+        times = asyncio.run(run())
+        print(f"\nbatch-1 latency, {len(ids)} tokens, {md.name} on {device}, {n} requests each, one after another:")
+        print(f"{'path':<40} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
+        for name, ms in times.items():
+            q = np.percentile(ms, [50, 90, 99])
+            print(f"{name:<40} {q[0]:>8.3f} {q[1]:>8.3f} {q[2]:>8.3f}")
+        base = np.percentile(times["direct gRPC (ids)"], 50)
+        for name in list(times)[1:]:
+            print(f"{name} adds {np.percentile(times[name], 50) - base:.3f} ms p50 over direct gRPC")
+    finally:
+        gateway.stop()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=512, help="tokens per input of the throughput run (default 512)")
+    p.add_argument("--clients", type=int, default=16, help="concurrent HTTP clients (default 16)")
+    p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per server (default 10)")
+    p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first (default 2)")
+    p.add_argument("--workers", type=int, default=1, help="florist gateway workers (default 1)")
+    p.add_argument("--latency", action="store_true", help="only the latency run: HTTP vs direct gRPC on a real engine")
+    p.add_argument("--model", default=None, help="model of the latency run (default: all-MiniLM-L6-v2)")
+    p.add_argument("--device", default=None, help="device of the latency run (default: cuda when present)")
+    p.add_argument("--latency-tokens", type=int, default=128, help="tokens per input of the latency run (default 128)")
+    p.add_argument("--requests", type=int, default=500, help="requests per path in the latency run (default 500)")
+    p.add_argument("--smoke", action="store_true", help="both runs, a second or a few requests each: the code path only")
+    args = p.parse_args()
+    if args.smoke:
+        args.clients, args.seconds, args.warmup = 2, 1.0, 0.5
+        args.device = args.device or "cpu"
+    if not args.latency:
+        throughput(args, mp.get_context("spawn"))
+    if args.latency or args.smoke:
+        latency(args)
+    return 0
 
 
 def _wait_http(url: str, timeout_s: float = 60) -> None:

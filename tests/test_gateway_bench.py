@@ -1,5 +1,6 @@
 """bench/gateway.py --smoke: the measurement's code path (model directory, 512-token inputs, stub
-engine, `florist serve`, the load process, the FastAPI baseline when installed, the table)."""
+engine, `florist serve`, the load process, the FastAPI baseline when installed, the table), and the
+latency run (HTTP vs direct gRPC on a real engine, default model on the CPU)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,4 @@ def test_gateway_bench_smoke():
     assert re.search(r"tokenization, one thread, florist TextProcessor.encode: \d+ texts/s", out.stdout)
     row = re.search(r"florist serve \(1 worker\) \+ stub engine over gRPC\s+([0-9.]+)", out.stdout)
     assert row and float(row.group(1)) > 0, out.stdout
+    assert re.search(r"HTTP /v1/embeddings \(text\) adds -?[0-9.]+ ms p50 over direct gRPC", out.stdout), out.stdout
