@@ -142,3 +142,11 @@ def test_cli_encode(capsys):
     assert len(out["embeddings"]) == 2 and len(out["embeddings"][0]) == 8
     assert main(["encode", "x", "--model", "/does/not/exist"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_step_checks_ids_and_lengths_on_the_host(default_engine):
+    from florist.engine.batch import HostBatch
+
+    for seqs, message in [([[101, 30522]], "token ids"), ([[101] * 513], "positions stop at 512"), ([[-1]], "token ids")]:
+        with pytest.raises(InputError, match=message):
+            default_engine.step(HostBatch.from_sequences(seqs))

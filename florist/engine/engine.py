@@ -143,6 +143,14 @@ class Engine:
         """Launch one batch and return at once; the output stays on its way to the host."""
         if self.info.task == "generate":
             raise InputError(f"{self.info.model_name} is a causal LM: use generate()")
+        # A bad id or an over-long sequence would fault on the device and take the CUDA context
+        # with it; these host checks cost microseconds.
+        if batch.num_seqs == 0 or int(batch.seq_lens.min()) < 1:
+            raise InputError("a batch needs at least one sequence, and every sequence at least one token")
+        if batch.max_seqlen > self.model_dir.config.max_position_embeddings:
+            raise InputError(f"a sequence has {batch.max_seqlen} tokens; the model's positions stop at {self.model_dir.config.max_position_embeddings}")
+        if int(batch.input_ids.min()) < 0 or int(batch.input_ids.max()) >= self.info.vocab_size:
+            raise InputError(f"token ids must lie in [0, {self.info.vocab_size})")
         return self.runner.step(batch)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *, max_tokens: int = 16, stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False) -> list["GenerationResult"]:
