@@ -1,0 +1,620 @@
+"""The four serving scenarios (DESIGN.md) through HTTP: `florist serve` against the baseline a user
+would otherwise stand up (bench/baseline_server.py: FastAPI + uvicorn on sentence-transformers /
+transformers), same model directory, same inputs, same client, same run.
+
+    1. low-latency embedding: batch 1, one request after another, 128 / 512 / 4096 tokens, pre-tokenized
+    2. low-latency scoring: 5 / 25 / 50 (query, document) pairs of 512 tokens, one request after another
+    3. high-throughput embedding: batches of 100, 4 client processes at once, 512 / 1024 / 4096 tokens
+    4. high-concurrency embedding: 512 tokens of text (tokenized by the server), batch 1, 1 / 2 / 4 / 8 / 16 clients
+
+Both servers answer OpenAI's /v1/embeddings (base64 floats, as OpenAI's Python client asks) and
+vLLM's /v1/score. Before timing, each server's outputs are compared with the other's on the
+scenarios' own inputs: embeddings by cosine (>= 0.999), scores by absolute difference (<= 0.01).
+Latency is per request, warm-up excluded, as p50 / p90 / p99 / max ms with the number of
+requests; throughput is measured over the timed requests of all clients together.
+
+    python bench/serve.py --out results/                       # random-weight Qwen3-0.6B geometry (+ its reranker), GPU
+    python bench/serve.py --geometry all-minilm-l6-v2 --out r/ # MiniLM embedder + ms-marco cross-encoder geometries
+    python bench/serve.py --model /models/Qwen3-Embedding-0.6B --model /models/Qwen3-Reranker-0.6B --out r/
+    python bench/serve.py --smoke --out /tmp/smoke             # tiny models on the CPU, a few requests
+
+Writes one table to stdout and results.json plus PNG plots to --out (the plots need matplotlib).
+"""
+
+# Wheels for the GPU machine (Python 3.12, no registry there): fastapi / uvicorn / pydantic are not
+# installed. Fetch them here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl NAME==VERSION ...
+# the baseline (all checked to resolve; ~4 MB):
+#   fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0
+#   typing-inspection==0.4.2 annotated-doc==0.0.7 opentelemetry-api==1.45.2 anyio==4.16.0 idna==3.20
+#   typing-extensions==4.16.0 uvicorn==0.54.0 click==8.5.1 h11==0.16.0
+# the plots (~17 MB; pillow and numpy are there already, with torchvision):
+#   matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1
+#   pyparsing==3.3.2 python-dateutil==2.9.0.post0 six==1.17.0 packaging==26.2
+# (besides what `florist serve` itself needs there: aiohttp, grpcio, protobuf). Without the first
+# group the baseline runs behind aiohttp instead, with the same handlers, and its start-up line
+# says so; without matplotlib the plots are skipped. infinity-emb is not there: reported skipped.
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import datetime
+import importlib.util
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+# name -> (bench/geometries.py geometry, variant, the geometry that serves the other task)
+GEOMETRIES = {
+    "qwen3-0.6b": ("qwen3-0.6b", "embed", "qwen3-reranker-0.6b"),
+    "pplx-embed-0.6b": ("qwen3-0.6b", "pplx", "qwen3-reranker-0.6b"),
+    "qwen3-reranker-0.6b": ("qwen3-0.6b", "reranker", "qwen3-0.6b"),
+    "all-minilm-l6-v2": ("minilm-l6", "embed", "ms-marco-minilm-l6"),
+    "ms-marco-minilm-l6": ("minilm-l6", "cross-encoder", "all-minilm-l6-v2"),
+    "tiny-qwen3": ("tiny-qwen3", "embed", "tiny-qwen3-reranker"),
+    "tiny-qwen3-reranker": ("tiny-qwen3", "reranker", "tiny-qwen3"),
+    "tiny-bert": ("tiny-bert", "embed", "tiny-cross-encoder"),
+    "tiny-cross-encoder": ("tiny-bert", "cross-encoder", "tiny-bert"),
+}
+SCENARIO_TASK = {1: "embed", 2: "score", 3: "embed", 4: "embed"}
+SCENARIO_NAME = {1: "low-latency embedding", 2: "low-latency scoring", 3: "high-throughput embedding", 4: "high-concurrency embedding"}
+SERVERS = ("florist", "baseline")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes per scenario; --smoke shrinks the tokens, keeps the shapes."""
+
+    s1_tokens: tuple[int, ...] = (128, 512, 4096)
+    s2_pairs: tuple[int, ...] = (5, 25, 50)
+    s2_tokens: int = 512
+    s3_tokens: tuple[int, ...] = (512, 1024, 4096)
+    s3_batch: int = 100
+    s3_procs: int = 4
+    s4_tokens: int = 512
+    s4_clients: tuple[int, ...] = (1, 2, 4, 8, 16)
+    s4_procs: int = 4
+
+
+# NOTE: the tiny tokenizer spells the Qwen3 reranker template out nearly letter by letter (~170 tokens).
+SMOKE_PLAN = Plan(s1_tokens=(16, 32, 64), s2_tokens=256, s3_tokens=(32, 64, 128), s3_batch=10, s4_tokens=32, s4_clients=(1, 2, 4))
+
+
+@dataclass
+class Cell:
+    """One measurement: the same bodies sent to each server by procs x clients clients."""
+
+    scenario: int
+    label: str           # "512 tokens", "25 pairs", "8 clients"
+    route: str
+    bodies: list[bytes]
+    items: int           # embeddings or pairs per request
+    procs: int = 1
+    clients: int = 1     # per process
+    requests: int = 0    # timed requests, all clients together
+    warmup: int = 0      # untimed requests per client, first
+    skipped: str = ""
+    results: dict = field(default_factory=dict)  # server -> measurement
+
+    @property
+    def key(self) -> str:
+        return f"{self.scenario} {SCENARIO_NAME[self.scenario]}, {self.label}"
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+class Texts:
+    """Random texts of exact token counts, measured with the model's own tokenizer."""
+
+    def __init__(self, model_dir: Path, seed: int):
+        from tokenizers import Tokenizer
+
+        from florist.engine.model_dir import read_model_dir
+        from florist.text import TextProcessor
+
+        md = read_model_dir(model_dir)
+        self.processor = TextProcessor(str(md.tokenizer_file), md.config, md.pipeline)
+        self.tok = Tokenizer.from_file(str(md.tokenizer_file))
+        self.tok.no_padding()
+        self.tok.no_truncation()
+        candidates = sorted(w for w in self.tok.get_vocab() if w.isascii() and w.isalpha() and len(w) > 2)
+        self.words = [w for w, e in zip(candidates, self.tok.encode_batch(candidates, add_special_tokens=False)) if len(e.ids) == 1]
+        assert self.words, f"no single-token words in {md.tokenizer_file}"
+        self.rng = np.random.default_rng(seed)
+
+    def words_text(self, n: int) -> str:
+        return " ".join(self.rng.choice(self.words, size=n))
+
+    def fit(self, target: int, count) -> str:
+        """Random words cut so that count(text) == target tokens."""
+        text = self.words_text(2 * target + 16)
+        offsets = self.tok.encode(text, add_special_tokens=False).offsets
+        keep = target
+        if count(text[: offsets[0][1]]) > target:
+            raise ValueError(f"{target} tokens are too few: a one-word input already takes {count(text[: offsets[0][1]])} (template and special tokens)")
+        for _ in range(20):
+            keep = max(1, min(keep, len(offsets)))
+            cut = text[: offsets[keep - 1][1]]
+            n = count(cut)
+            if n == target:
+                return cut
+            keep += target - n
+        raise RuntimeError(f"could not make a text of exactly {target} tokens (last try: {n})")
+
+    def text(self, tokens: int) -> str:
+        return self.fit(tokens, lambda t: len(self.tok.encode(t).ids))
+
+    def document(self, query: str, pair_tokens: int) -> str:
+        return self.fit(pair_tokens, lambda d: len(self.processor.encode_pairs(query, [d])[0][0]))
+
+
+def embed_body(inputs) -> bytes:
+    return json.dumps({"input": inputs, "encoding_format": "base64"}).encode()
+
+
+def score_body(query: str, docs: list[str]) -> bytes:
+    return json.dumps({"text_1": query, "text_2": docs}).encode()
+
+
+def plan_cells(scenarios: list[int], plan: Plan, n: int, model: dict, seed: int = 0) -> list[Cell]:
+    """The cells of the scenarios this model serves, with their bodies and request counts.
+
+    n (--requests) is the timed request count of scenarios 1 and 4 per cell; scenario 2 takes
+    n / 4; scenario 3 takes n / 8 batches at its shortest length and proportionally fewer at
+    longer ones (at least one per client process), so each cell costs about the same.
+    """
+    texts = Texts(model["path"], seed)
+    rng = np.random.default_rng(seed)
+    max_tokens, vocab = model["max_tokens"], model["vocab_size"]
+    low = min(1000, vocab // 4)  # clear of special tokens, which sit at the start of BERT vocabularies
+    ids = lambda k, length: [rng.integers(low, vocab, size=length).tolist() for _ in range(k)]
+    too_long = f"the model takes at most {max_tokens} tokens"
+    cells = []
+    for s in scenarios:
+        if SCENARIO_TASK[s] != model["task"]:
+            continue
+        if s == 1:
+            for t in plan.s1_tokens:
+                cells.append(Cell(1, f"{t} tokens", "/v1/embeddings", [] if t > max_tokens else [embed_body(ids(1, t)) for _ in range(8)],
+                                  items=1, requests=n, warmup=max(3, n // 10), skipped=too_long if t > max_tokens else ""))
+        elif s == 2:
+            tokens = min(plan.s2_tokens, max_tokens)
+            query = texts.words_text(8)
+            docs = [texts.document(query, tokens) for _ in range(max(plan.s2_pairs))]
+            for k in plan.s2_pairs:
+                bodies = [score_body(query, [docs[(r + j) % len(docs)] for j in range(k)]) for r in range(4)]
+                cells.append(Cell(2, f"{k} pairs of {tokens} tokens", "/v1/score", bodies, items=k, requests=max(5, n // 4), warmup=3))
+        elif s == 3:
+            for t in plan.s3_tokens:
+                batches = max(plan.s3_procs, math.ceil(n / 8 * plan.s3_tokens[0] / t))
+                per_client = math.ceil(batches / plan.s3_procs)
+                bodies = [] if t > max_tokens else [embed_body(ids(plan.s3_batch, t)) for _ in range(2)]
+                cells.append(Cell(3, f"{plan.s3_batch} x {t} tokens", "/v1/embeddings", bodies, items=plan.s3_batch, procs=plan.s3_procs,
+                                  requests=per_client * plan.s3_procs, warmup=1, skipped=too_long if t > max_tokens else ""))
+        elif s == 4:
+            tokens = min(plan.s4_tokens, max_tokens)
+            bodies = [embed_body(texts.text(tokens)) for _ in range(16)]
+            for c in plan.s4_clients:
+                requests = math.ceil(max(n, 4 * c) / c) * c
+                procs = math.gcd(c, plan.s4_procs)  # up to 4 client processes, so the clients' own CPU does not cap the rate
+                cells.append(Cell(4, f"{tokens}-token text, {c} client{'s' if c > 1 else ''}", "/v1/embeddings", bodies,
+                                  items=1, procs=procs, clients=c // procs, requests=requests, warmup=5))
+    return cells
+
+
+# -- the servers ------------------------------------------------------------------------------------
+class Proc:
+    """A server in a subprocess; every output line is kept, and the URL read from its start-up line."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict):
+        self.name, self.lines = name, []
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        self.url = self.banner = ""
+
+    def wait_url(self, pattern: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            for line in list(self.lines):
+                if (m := re.search(pattern, line)) and "http://" in line:
+                    self.banner, self.url = line.strip(), m.group(1)
+                    return self.url
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"the {self.name} server did not start (exit {self.proc.poll()}):\n{''.join(self.lines)[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_servers(model: dict, args) -> dict[str, Proc]:
+    """`florist serve` and the baseline on the same model directory, started together."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    if args.device == "cpu":  # NOTE: the two servers and the clients share the cores; more threads each only contend
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
+    dtype = ["--dtype", args.dtype] if args.dtype else []
+    florist = Proc("florist", [sys.executable, "-m", "florist.cli", "serve", "--port", "0", "--model", str(model["path"]),
+                               "--device", args.device, "--workers", str(args.workers), *dtype], env)
+    baseline = Proc("baseline", [sys.executable, str(ROOT / "bench" / "baseline_server.py"), "--model", str(model["path"]), "--task", model["task"],
+                                 "--device", args.device, "--port", "0", "--http", args.baseline_http, *dtype], env)
+    try:
+        florist.wait_url(r" on (http://[\d.]+:\d+)", 1800)
+        baseline.wait_url(r" on (http://[\d.]+:\d+)", 1800)
+        wait_health(baseline, 300)
+    except BaseException:
+        florist.stop()
+        baseline.stop()
+        raise
+    return {"florist": florist, "baseline": baseline}
+
+
+def wait_health(server: Proc, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(server.url + "/health", timeout=5).read()
+            return
+        except OSError:
+            if time.monotonic() > deadline or server.proc.poll() is not None:
+                raise RuntimeError(f"{server.name} at {server.url} does not answer /health:\n{''.join(server.lines)[-3000:]}")
+            time.sleep(0.2)
+
+
+# -- the client -------------------------------------------------------------------------------------
+async def post(session, url: str, body: bytes) -> dict:
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+        payload = await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"POST {url}: {r.status} {payload[:400]!r}")
+    return json.loads(payload)  # a real client reads the answer: that is part of the cost
+
+
+def load_main(url: str, bodies: list[bytes], clients: int, per_client: int, warmup: int, deadline_s: float, barrier, conn) -> None:
+    """One client process: `clients` concurrent clients, warm-up, wait for the other processes, then
+    per_client timed requests each (or until deadline_s). Sends (latencies_ms, start, end) back."""
+    import aiohttp
+
+    async def run():
+        timeout = aiohttp.ClientTimeout(total=600)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients), timeout=timeout) as session:
+            async def client(k: int, count: int, out: list | None, stop_at: float) -> None:
+                for i in range(count):
+                    if out is not None and time.monotonic() > stop_at:
+                        return
+                    t = time.perf_counter()
+                    await post(session, url, bodies[(k + i * clients) % len(bodies)])
+                    if out is not None:
+                        out.append((time.perf_counter() - t) * 1e3)
+
+            await asyncio.gather(*(client(k, warmup, None, 0) for k in range(clients)))
+            if barrier is not None:
+                barrier.wait()  # every process has warmed up: the timed phase starts together
+            latencies: list[float] = []
+            start = time.monotonic()
+            await asyncio.gather(*(client(k, per_client, latencies, start + deadline_s) for k in range(clients)))
+            return latencies, start, time.monotonic()
+
+    try:
+        result = asyncio.run(run())
+    except Exception as e:  # noqa: BLE001  (sent to the parent, which raises it)
+        result = e
+    if conn is None:
+        return result
+    conn.send(result)
+
+
+def measure(cell: Cell, url: str, deadline_s: float) -> dict:
+    per_client = cell.requests // (cell.procs * cell.clients)
+    target = url + cell.route
+    if cell.procs == 1:
+        parts = [load_main(target, cell.bodies, cell.clients, per_client, cell.warmup, deadline_s, None, None)]
+    else:
+        ctx = mp.get_context("spawn")
+        barrier = ctx.Barrier(cell.procs)
+        pipes, procs = [], []
+        for _ in range(cell.procs):
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=load_main, args=(target, cell.bodies, cell.clients, per_client, cell.warmup, deadline_s, barrier, child))
+            p.start()
+            pipes.append(parent)
+            procs.append(p)
+        parts = [pipe.recv() for pipe in pipes]
+        for p in procs:
+            p.join()
+    for part in parts:
+        if isinstance(part, Exception):
+            raise part
+    ms = np.concatenate([np.asarray(p[0]) for p in parts])
+    wall = max(p[2] for p in parts) - min(p[1] for p in parts)
+    pct = {q: float(np.percentile(ms, v)) for q, v in (("p50", 50), ("p90", 90), ("p99", 99))}
+    return {"n": int(ms.size), "planned": cell.requests, **pct, "max": float(ms.max()), "mean": float(ms.mean()), "wall_s": wall,
+            "requests_per_s": ms.size / wall, "items_per_s": ms.size * cell.items / wall}
+
+
+async def check(cells: list[Cell], urls: dict[str, str], task: str) -> dict:
+    """Each server's answers to a few of the scenarios' own requests, compared before any timing."""
+    import aiohttp
+
+    bodies = [c.bodies[0] for c in cells if c.bodies]
+    bodies = list(dict.fromkeys(bodies))  # scenario 4 repeats one body for every concurrency
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        replies = {s: [await post(session, urls[s] + cells[0].route, b) for b in bodies] for s in SERVERS}
+    if task == "embed":
+        decode = lambda r: np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in sorted(r["data"], key=lambda d: d["index"])])
+        got, want = (np.concatenate([decode(r) for r in replies[s]]) for s in SERVERS)
+        cosine = float(((got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))).min())
+        ok = got.shape == want.shape and cosine >= 0.999
+        return {"what": "min cosine, florist vs baseline", "value": cosine, "bound": ">= 0.999", "rows": len(got), "ok": ok}
+    scores = lambda r: np.array([d["score"] for d in sorted(r["data"], key=lambda d: d["index"])])
+    got, want = (np.concatenate([scores(r) for r in replies[s]]) for s in SERVERS)
+    diff = float(np.abs(got - want).max())
+    return {"what": "max |score difference|, florist vs baseline", "value": diff, "bound": "<= 0.01", "rows": len(got), "ok": got.shape == want.shape and diff <= 0.01}
+
+
+# -- models ------------------------------------------------------------------------------------------
+def describe_model(path: Path, source: str) -> dict:
+    from florist.engine.model_dir import read_model_dir
+
+    md = read_model_dir(path)
+    return {"path": path, "source": source, "task": md.pipeline.task, "max_tokens": md.pipeline.max_seq_length, "vocab_size": md.config.vocab_size}
+
+
+def prepare_models(args, tmp: Path, tasks: set[str]) -> dict[str, dict]:
+    """task -> model: the directories given with --model, else random weights of --geometry (and its pair)."""
+    models = {}
+    for path in args.model or []:
+        m = describe_model(Path(path), str(path))
+        if m["task"] not in ("embed", "score"):
+            raise SystemExit(f"{path} is a {m['task']} model; this suite serves embedding and scoring models")
+        models[m["task"]] = m
+    if args.model:
+        return {t: m for t, m in models.items() if t in tasks}
+    import torch
+    from geometries import make_model
+
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    for name in (args.geometry, GEOMETRIES[args.geometry][2]):
+        geometry, variant, _ = GEOMETRIES[name]
+        task = "score" if variant in ("reranker", "cross-encoder") else "embed"
+        if task in tasks and task not in models:
+            t = time.perf_counter()
+            # NOTE: the directory name matters: florist serves a Qwen3ForCausalLM as a reranker when its name says so.
+            path = make_model(tmp / name, geometry, variant=variant, dtype=dtype)
+            models[task] = describe_model(path, f"random weights, geometry {name}")
+            print(f"built a random {name} ({variant}) in {time.perf_counter() - t:.1f} s", flush=True)
+    return models
+
+
+# -- output ------------------------------------------------------------------------------------------
+METRICS = {1: ("p50", "p90", "p99", "max"), 2: ("p50", "p90", "p99", "max"), 3: ("items_per_s", "p50"), 4: ("p50", "p90", "p99", "max", "requests_per_s")}
+UNITS = {"items_per_s": "emb/s", "requests_per_s": "req/s"}
+
+
+def print_table(cells: list[Cell]) -> None:
+    print("\nratio: how many times florist is ahead (baseline / florist for latency, florist / baseline for throughput)")
+    print(f"{'scenario':<60}{'metric':>10}{'florist':>12}{'baseline':>12}{'ratio':>9}   n (florist / baseline)")
+    for c in cells:
+        if c.skipped:
+            print(f"{c.key:<60}  skipped: {c.skipped}")
+            continue
+        f, b = c.results["florist"], c.results["baseline"]
+        for m in METRICS[c.scenario]:
+            unit = UNITS.get(m, "ms")
+            ratio = f[m] / b[m] if unit != "ms" else b[m] / f[m]
+            name = f"{m} {unit}" if unit == "ms" else unit
+            print(f"{c.key:<60}{name:>10}{f[m]:>12.2f}{b[m]:>12.2f}{ratio:>8.2f}x   {f['n']} / {b['n']}")
+
+
+def write_json(out: Path, cells: list[Cell], meta: dict) -> Path:
+    rows = [{"scenario": c.scenario, "name": SCENARIO_NAME[c.scenario], "label": c.label, "items_per_request": c.items, "client_processes": c.procs,
+             "clients_per_process": c.clients, "warmup_per_client": c.warmup, "skipped": c.skipped or None, **c.results} for c in cells]
+    path = out / "results.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    return path
+
+
+def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
+    try:
+        import matplotlib
+    except ImportError:
+        print("plots skipped: matplotlib is not importable (pip install matplotlib)")
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 20, not 2 x 10^1, on log axes
+
+    def log_y(ax):
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+
+    colors = {"florist": "tab:green", "baseline": "tab:gray"}
+    written = []
+    done = [c for c in cells if c.results]
+    for s in (1, 2, 4):
+        group = [c for c in done if c.scenario == s]
+        if not group:
+            continue
+        fig, axes = plt.subplots(1, len(group), figsize=(3.2 * len(group), 3.6), sharey=True, squeeze=False)
+        for ax, c in zip(axes[0], group):
+            qs = ("p50", "p90", "p99", "max")
+            x = np.arange(len(qs))
+            for k, server in enumerate(SERVERS):
+                ax.bar(x + (k - 0.5) * 0.4, [c.results[server][q] for q in qs], 0.4, label=server, color=colors[server])
+            ax.set_xticks(x, qs)
+            log_y(ax)
+            ax.set_title(c.label, fontsize=9)
+        axes[0][0].set_ylabel("latency, ms (log)")
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle(f"scenario {s}: {SCENARIO_NAME[s]}, latency percentiles")
+        fig.tight_layout()
+        written.append(out / f"scenario{s}_latency.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    group = [c for c in done if c.scenario == 3]
+    if group:
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        x = np.arange(len(group))
+        for k, server in enumerate(SERVERS):
+            ax.bar(x + (k - 0.5) * 0.4, [c.results[server]["items_per_s"] for c in group], 0.4, label=server, color=colors[server])
+        ax.set_xticks(x, [c.label for c in group])
+        ax.set_ylabel("embeddings / s")
+        ax.set_title(f"scenario 3: {SCENARIO_NAME[3]}, {group[0].procs} client processes")
+        ax.legend()
+        fig.tight_layout()
+        written.append(out / "scenario3_throughput.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    group = [c for c in done if c.scenario == 4]
+    if group:
+        clients = [c.clients for c in group]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+        for server in SERVERS:
+            a1.plot(clients, [c.results[server]["requests_per_s"] for c in group], "o-", label=server, color=colors[server])
+            a2.plot(clients, [c.results[server]["p99"] for c in group], "o-", label=f"{server} p99", color=colors[server])
+            a2.plot(clients, [c.results[server]["p50"] for c in group], "o--", label=f"{server} p50", color=colors[server], alpha=0.6)
+        for ax, title in ((a1, "throughput, requests / s"), (a2, "latency, ms (log)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(clients, [str(c) for c in clients])
+            ax.set_xlabel("concurrent clients")
+            ax.set_title(title)
+            ax.legend(fontsize=8)
+        log_y(a2)
+        fig.suptitle(f"scenario 4: {SCENARIO_NAME[4]} ({group[0].label.split(',')[0]})")
+        fig.tight_layout()
+        written.append(out / "scenario4_concurrency.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
+
+
+def environment(args) -> dict:
+    versions = {}
+    for name in ("florist", "torch", "transformers", "sentence_transformers", "aiohttp", "fastapi", "uvicorn", "pydantic", "numpy"):
+        try:
+            versions[name] = __import__(name).__version__
+        except (ImportError, AttributeError):
+            versions[name] = None
+    import torch
+
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") and torch.cuda.is_available() else None
+    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(), "device": args.device, "gpu": gpu,
+            "dtype": args.dtype or ("bf16" if args.device != "cpu" else "fp32"), "versions": versions}
+
+
+# -- main --------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None, help="directory for results.json and the plots (default: a new temporary one)")
+    p.add_argument("--scenarios", default="1,2,3,4", help="comma-separated scenario numbers (default 1,2,3,4)")
+    p.add_argument("--geometry", default=None, choices=sorted(GEOMETRIES), help="random-weight model (and its pair for the other task); default qwen3-0.6b")
+    p.add_argument("--model", action="append", help="a model directory instead (repeat for an embedding and a scoring model)")
+    p.add_argument("--requests", type=int, default=None, help="timed requests per cell of scenarios 1 and 4 (default 200; others scale from it)")
+    p.add_argument("--cell-seconds", type=float, default=60.0, help="stop a cell's timed requests after this long (default 60; the count says how many ran)")
+    p.add_argument("--device", default=None, help="default: cuda when present (cpu with --smoke)")
+    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--workers", type=int, default=1, help="florist gateway workers (default 1; the baseline runs one uvicorn worker)")
+    p.add_argument("--baseline-http", default="auto", choices=["auto", "fastapi", "aiohttp"], help="the baseline's HTTP server (auto: FastAPI when importable)")
+    p.add_argument("--smoke", action="store_true", help="tiny models on the CPU, a few requests: the code path only")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    scenarios = sorted({int(s) for s in args.scenarios.split(",") if s.strip()})
+    if not set(scenarios) <= set(SCENARIO_TASK):
+        p.error(f"--scenarios takes numbers among 1,2,3,4; got {args.scenarios}")
+    plan = SMOKE_PLAN if args.smoke else Plan()
+    args.requests = args.requests or (6 if args.smoke else 200)
+    args.geometry = args.geometry or ("tiny-qwen3" if args.smoke else "qwen3-0.6b")
+    if args.device is None:
+        import torch
+
+        args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    out = args.out or Path(tempfile.mkdtemp(prefix="florist-bench-serve-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if importlib.util.find_spec("infinity_emb") is None:
+        print("infinity: skipped (infinity_emb is not importable here)")
+    else:
+        print("infinity: skipped (infinity_emb is importable, but this suite does not drive it yet: its API takes text only)")
+
+    tmp = Path(tempfile.mkdtemp(prefix="florist-bench-serve-models-"))
+    meta = environment(args)
+    meta["models"], meta["servers"], meta["checks"] = {}, {}, {}
+    all_cells: list[Cell] = []
+    try:
+        models = prepare_models(args, tmp, {SCENARIO_TASK[s] for s in scenarios})
+        for s in scenarios:
+            if SCENARIO_TASK[s] not in models:
+                print(f"scenario {s} skipped: no {SCENARIO_TASK[s]} model (give one with --model DIR)")
+        for task in ("embed", "score"):
+            if task not in models:
+                continue
+            model = models[task]
+            cells = plan_cells(scenarios, plan, args.requests, model)
+            meta["models"][task] = {k: str(v) for k, v in model.items()}
+            servers = start_servers(model, args)
+            try:
+                urls = {s: servers[s].url for s in SERVERS}
+                meta["servers"][task] = {s: servers[s].banner for s in SERVERS}
+                print(f"{task} model {model['path'].name}:\n  {servers['florist'].banner}\n  {servers['baseline'].banner}", flush=True)
+                result = asyncio.run(check([c for c in cells if not c.skipped], urls, task))
+                meta["checks"][task] = result
+                print(f"  check: {result['what']} over {result['rows']} rows: {result['value']:.6f} ({result['bound']})", flush=True)
+                if not result["ok"]:
+                    raise SystemExit(f"florist's {task} outputs differ from the baseline's: {result}; not timing")
+                for cell in cells:
+                    if cell.skipped:
+                        continue
+                    for server in SERVERS:  # one after the other, cell by cell: drift hits both alike
+                        t = time.perf_counter()
+                        cell.results[server] = measure(cell, urls[server], args.cell_seconds)
+                        r = cell.results[server]
+                        print(f"  {cell.key:<58} {server:<9} n {r['n']:>4}  p50 {r['p50']:9.2f} ms  p99 {r['p99']:9.2f} ms  "
+                              f"{r['items_per_s']:9.1f} {'emb' if task == 'embed' else 'pairs'}/s  ({time.perf_counter() - t:.1f} s)", flush=True)
+            finally:
+                for server in servers.values():
+                    server.stop()
+            all_cells += cells
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    all_cells.sort(key=lambda c: c.scenario)
+    meta["elapsed_s"] = time.perf_counter() - started
+    print_table(all_cells)
+    written = [write_json(out, all_cells, meta), *write_plots(out, all_cells)]
+    print(f"\nwrote {', '.join(str(w) for w in written)}")
+    print(f"total {meta['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
