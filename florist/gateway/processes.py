@@ -1,7 +1,7 @@
 """The processes behind `florist serve`: engine replicas and gateway workers.
 
-    florist serve ─┬─ engine replica 0   python -m florist.server --port 0 --device cuda:0   (127.0.0.1 only)
-                   ├─ engine replica 1   ...                                  --device cuda:1
+    florist serve ─┬─ engine replica 0   florist engine-server --port 0 --device cuda:0   (127.0.0.1 only)
+                   ├─ engine replica 1   ...                                --device cuda:1
                    └─ gateway worker(s)  the HTTP port; one worker runs inside the serve process
 
 Engines start in parallel; each prints "listening on HOST:PORT" once serving, which is how its
@@ -28,7 +28,11 @@ PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(parent_pid: int | None = None) -> None:
-    """(In a child.) Get SIGTERM when the parent process dies; exit now if it already has."""
+    """(In a child.) Get SIGTERM when the parent process dies; exit now if it already has.
+
+    NOTE: Linux sends the signal when the parent *thread* that forked the child exits, so
+    children are only ever started from the serve process's main thread.
+    """
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
