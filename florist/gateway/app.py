@@ -15,12 +15,12 @@ import time
 
 from aiohttp import web
 
-from florist.gateway import jsonio, metrics, openai, rerank, tei
+from florist.gateway import completions, jsonio, metrics, openai, rerank, tei
 from florist.gateway.errors import ApiError, error_body, family_of_path
 from florist.gateway.pipeline import PIPELINE, Pipeline
 
 log = logging.getLogger(__name__)
-ROUTE_MODULES = (openai, tei, rerank, metrics)
+ROUTE_MODULES = (openai, completions, tei, rerank, metrics)
 OPEN_PATHS = frozenset({"/health"})  # no key needed: load balancers and orchestrators probe it
 FAMILIES = web.AppKey("florist_families", dict)
 

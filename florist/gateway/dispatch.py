@@ -15,6 +15,12 @@ Engine embeddings are pure functions of the ids, so a retry cannot change an ans
     INVALID_ARGUMENT                        400 (the engine's message)
     DEADLINE_EXCEEDED / our deadline        504
     anything else (INTERNAL, ...)           500, not retried (an engine error may repeat)
+
+Generation (`generate`) streams one prompt from one replica. Before its first chunk a replica that
+is down or overloaded is replaced, as for a chunk; after it, nothing is retried (a new replica
+would start the sequence again, and the client already has its first tokens): a replica that goes
+away mid-stream is a 503 raised from the iterator, which the completions route reports as an
+error event.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +37,7 @@ import numpy as np
 from florist.gateway.balancer import Balancer, Replica
 from florist.gateway.chunking import parts_for, split
 from florist.gateway.errors import ApiError
+from florist.server.client import GeneratedTokens
 
 log = logging.getLogger(__name__)
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -58,6 +66,48 @@ class Dispatcher:
             return await client.score(seqs, first, raw=raw, timeout=timeout)
 
         return await self._run(ids, first_segment_lens, call)
+
+    async def generate(self, prompt_ids: np.ndarray, *, max_tokens: int, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> AsyncIterator[GeneratedTokens]:
+        """The greedy continuation of one tokenized prompt, chunk by chunk, from one replica."""
+        tried: list[Replica] = []
+        overloaded = False
+        deadline = time.monotonic() + self.timeout_s
+        cost = len(prompt_ids) + max_tokens  # what the sequence will hold in the replica's cache
+        while True:
+            replica = self.balancer.pick(exclude=tried)
+            if replica is None:
+                raise self._exhausted(tried, overloaded)
+            tried.append(replica)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ApiError(504, f"the engines did not answer within {self.timeout_s:.0f} s; retry, or ask for fewer tokens")
+            replica.outstanding_tokens += cost
+            received = 0
+            stream = replica.client.generate(prompt_ids, max_tokens=max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, timeout=remaining)
+            try:
+                async for chunk in stream:
+                    received += len(chunk.token_ids)
+                    yield chunk
+                return
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code in _GONE:
+                    self.balancer.mark_down(replica, f"{code.name}: {e.details()}")
+                if received == 0 and code in _GONE:
+                    self._retried("replica_down")
+                    continue
+                if received == 0 and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    overloaded = True
+                    self._retried("overloaded")
+                    continue
+                if code in _GONE:
+                    log.warning("engine replica %s went away while generating (%s: %s)", replica.address, code.name, e.details())
+                    raise ApiError(503, f"the engine replica went away after {received} generated tokens ({code.name}); retry the request",
+                                   retry_after_s=self.retry_after_s) from None
+                raise self._error(e, replica) from None
+            finally:
+                replica.outstanding_tokens -= cost
+                await stream.aclose()  # cancels the RPC if the caller left early
 
     async def _run(self, ids, first, call) -> np.ndarray:
         lens = [len(x) for x in ids]

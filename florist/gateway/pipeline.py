@@ -1,6 +1,6 @@
 """What every route shares: tokenize on the pool, send to the replicas, check what comes back.
 
-Routes (openai.py, tei.py, rerank.py) only translate their API's shapes; the rules live here
+Routes (openai.py, completions.py, tei.py, rerank.py) only translate their API's shapes; the rules live here
 once, so `/v1/embeddings`, `/embed` and the embedded API give the same numbers for the same
 input, and `/rerank`, `/v1/rerank` and `/v1/score` the same scores.
 """
@@ -21,6 +21,9 @@ from florist.text import InputError
 
 # Cohere/Voyage-style input types -> the sentence-transformers prompt names they mean.
 INPUT_TYPES = {"query": "query", "search_query": "query", "document": "document", "search_document": "document", "passage": "document"}
+# What each engine task is, and the routes that serve it (for "wrong kind of model" answers).
+TASK_MODELS = {"embed": "an embedding model", "score": "a cross-encoder or reranker", "generate": "a causal LM"}
+TASK_ROUTES = {"embed": "/v1/embeddings or /embed", "score": "/rerank, /v1/rerank or /v1/score", "generate": "/v1/completions"}
 
 
 @dataclass
@@ -40,9 +43,8 @@ class Pipeline:
     def require(self, task: str, route: str) -> None:
         if self.info.task == task:
             return
-        if task == "embed":
-            raise ApiError(400, f"{route} needs an embedding model; this server serves {self.info.model_name}, a {self.info.task} model: use /rerank, /v1/rerank or /v1/score")
-        raise ApiError(400, f"{route} needs a cross-encoder or reranker; this server serves {self.info.model_name}, an embedding model: use /v1/embeddings or /embed")
+        served = self.info.task
+        raise ApiError(400, f"{route} needs {TASK_MODELS[task]}; this server serves {self.info.model_name}, {TASK_MODELS.get(served, served)}: use {TASK_ROUTES.get(served, 'GET /v1/models')}")
 
     def check_model(self, name: str | None) -> None:
         """OpenAI-style `model`: the served name, or any path ending in it ("org/name")."""

@@ -132,7 +132,7 @@ async def decode(request: web.Request) -> web.Response:
 async def info(request: web.Request) -> web.Response:
     pipe = pipeline_of(request)
     i, c = pipe.info, pipe.config
-    model_type = {"embedding": {"pooling": "+".join(i.pooling) or "mean"}} if i.task == "embed" else {"reranker": {"id2label": {"0": "score"}}}
+    model_type = {"embed": {"embedding": {"pooling": "+".join(i.pooling) or "mean"}}, "score": {"reranker": {"id2label": {"0": "score"}}}}.get(i.task, {i.task: {}})
     return jsonio.response({
         "model_id": i.model_name, "model_sha": None, "tokenizer_sha256": i.tokenizer_sha256, "model_dtype": i.dtype, "model_type": model_type,
         "max_input_length": i.max_input_tokens, "max_batch_tokens": pipe.dispatcher.limits.max_tokens,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from florist.engine.generation.detokenizer import IncrementalDetokenizer
 from florist.engine.model_dir import read_model_dir
 from florist.gateway.errors import ApiError
 from florist.text import InputError, TextProcessor
@@ -81,6 +82,10 @@ class Tokenization:
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
         return self._detailed.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        """Text deltas of one generated stream; the same text `decode(ids, skip_special_tokens=True)` gives."""
+        return IncrementalDetokenizer(self._detailed)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
