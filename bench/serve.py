@@ -289,17 +289,26 @@ def wait_health(server: Proc, timeout_s: float) -> None:
 
 
 # -- the client -------------------------------------------------------------------------------------
-async def post(session, url: str, body: bytes) -> dict:
-    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
-        payload = await r.read()
-        if r.status != 200:
-            raise RuntimeError(f"POST {url}: {r.status} {payload[:400]!r}")
-    return json.loads(payload)  # a real client reads the answer: that is part of the cost
+async def post(session, url: str, body: bytes, retried: list[int] | None = None) -> dict:
+    """POST a JSON body; 429 / 503 are retried after the server's Retry-After (at most 60 s, 8
+    tries), as OpenAI's Python client does, and counted in retried[0]."""
+    for attempt in range(8):
+        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+            payload = await r.read()
+            if r.status in (429, 503) and attempt < 7:
+                if retried is not None:
+                    retried[0] += 1
+                await asyncio.sleep(min(60.0, float(r.headers.get("Retry-After", 1))))
+                continue
+            if r.status != 200:
+                raise RuntimeError(f"POST {url}: {r.status} {payload[:400]!r}")
+        return json.loads(payload)  # a real client reads the answer: that is part of the cost
+    raise AssertionError("unreachable")
 
 
 def load_main(url: str, bodies: list[bytes], clients: int, per_client: int, warmup: int, deadline_s: float, barrier, conn) -> None:
     """One client process: `clients` concurrent clients, warm-up, wait for the other processes, then
-    per_client timed requests each (or until deadline_s). Sends (latencies_ms, start, end) back."""
+    per_client timed requests each (or until deadline_s). Sends (latencies_ms, start, end, retries) back."""
     import aiohttp
 
     async def run():
@@ -310,22 +319,25 @@ def load_main(url: str, bodies: list[bytes], clients: int, per_client: int, warm
                     if out is not None and time.monotonic() > stop_at:
                         return
                     t = time.perf_counter()
-                    await post(session, url, bodies[(k + i * clients) % len(bodies)])
+                    await post(session, url, bodies[(k + i * clients) % len(bodies)], retried if out is not None else None)
                     if out is not None:
                         out.append((time.perf_counter() - t) * 1e3)
 
             await asyncio.gather(*(client(k, warmup, None, 0) for k in range(clients)))
             if barrier is not None:
-                barrier.wait()  # every process has warmed up: the timed phase starts together
+                barrier.wait(timeout=900)  # every process has warmed up: the timed phase starts together
             latencies: list[float] = []
+            retried = [0]
             start = time.monotonic()
             await asyncio.gather(*(client(k, per_client, latencies, start + deadline_s) for k in range(clients)))
-            return latencies, start, time.monotonic()
+            return latencies, start, time.monotonic(), retried[0]
 
     try:
         result = asyncio.run(run())
-    except Exception as e:  # noqa: BLE001  (sent to the parent, which raises it)
-        result = e
+    except Exception as e:  # noqa: BLE001  (handed to the parent, which raises it)
+        if barrier is not None:
+            barrier.abort()  # the other processes stop waiting for this one
+        result = RuntimeError(f"{type(e).__name__}: {e}")  # aiohttp's exceptions do not all pickle
     if conn is None:
         return result
     conn.send(result)
@@ -346,9 +358,16 @@ def measure(cell: Cell, url: str, deadline_s: float) -> dict:
             p.start()
             pipes.append(parent)
             procs.append(p)
-        parts = [pipe.recv() for pipe in pipes]
+        parts = []
+        for pipe, p in zip(pipes, procs):
+            while not pipe.poll(1.0):
+                if not p.is_alive():
+                    raise RuntimeError(f"a client process exited with code {p.exitcode} before sending its results")
+            parts.append(pipe.recv())
         for p in procs:
             p.join()
+        # A process that failed broke the barrier for the others: report its error, not theirs.
+        parts.sort(key=lambda part: "BrokenBarrierError" in str(part) if isinstance(part, Exception) else True)
     for part in parts:
         if isinstance(part, Exception):
             raise part
@@ -356,7 +375,7 @@ def measure(cell: Cell, url: str, deadline_s: float) -> dict:
     wall = max(p[2] for p in parts) - min(p[1] for p in parts)
     pct = {q: float(np.percentile(ms, v)) for q, v in (("p50", 50), ("p90", 90), ("p99", 99))}
     return {"n": int(ms.size), "planned": cell.requests, **pct, "max": float(ms.max()), "mean": float(ms.mean()), "wall_s": wall,
-            "requests_per_s": ms.size / wall, "items_per_s": ms.size * cell.items / wall}
+            "requests_per_s": ms.size / wall, "items_per_s": ms.size * cell.items / wall, "retries": sum(p[3] for p in parts)}
 
 
 async def check(cells: list[Cell], urls: dict[str, str], task: str) -> dict:
@@ -410,6 +429,8 @@ def prepare_models(args, tmp: Path, tasks: set[str]) -> dict[str, dict]:
             path = make_model(tmp / name, geometry, variant=variant, dtype=dtype)
             models[task] = describe_model(path, f"random weights, geometry {name}")
             print(f"built a random {name} ({variant}) in {time.perf_counter() - t:.1f} s", flush=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the weights were drawn on the GPU; the servers need the memory, not this process
     return models
 
 
@@ -422,8 +443,8 @@ def print_table(cells: list[Cell]) -> None:
     print("\nratio: how many times florist is ahead (baseline / florist for latency, florist / baseline for throughput)")
     print(f"{'scenario':<60}{'metric':>10}{'florist':>12}{'baseline':>12}{'ratio':>9}   n (florist / baseline)")
     for c in cells:
-        if c.skipped:
-            print(f"{c.key:<60}  skipped: {c.skipped}")
+        if c.skipped or len(c.results) < len(SERVERS):
+            print(f"{c.key:<60}  {'skipped: ' + c.skipped if c.skipped else 'not run (the run stopped first)'}")
             continue
         f, b = c.results["florist"], c.results["baseline"]
         for m in METRICS[c.scenario]:
@@ -431,6 +452,12 @@ def print_table(cells: list[Cell]) -> None:
             ratio = f[m] / b[m] if unit != "ms" else b[m] / f[m]
             name = f"{m} {unit}" if unit == "ms" else unit
             print(f"{c.key:<60}{name:>10}{f[m]:>12.2f}{b[m]:>12.2f}{ratio:>8.2f}x   {f['n']} / {b['n']}")
+    for c in cells:
+        for server, r in c.results.items():
+            if r["retries"]:
+                print(f"NOTE: {server} answered 429 / 503 {r['retries']} times in '{c.key}'; the client waited its Retry-After each time (included above)")
+            if r["n"] < r["planned"]:
+                print(f"NOTE: {server} ran {r['n']} of {r['planned']} timed requests in '{c.key}' within --cell-seconds")
 
 
 def write_json(out: Path, cells: list[Cell], meta: dict) -> Path:
@@ -461,7 +488,7 @@ def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
 
     colors = {"florist": "tab:green", "baseline": "tab:gray"}
     written = []
-    done = [c for c in cells if c.results]
+    done = [c for c in cells if len(c.results) == len(SERVERS)]
     for s in (1, 2, 4):
         group = [c for c in done if c.scenario == s]
         if not group:
@@ -582,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
             model = models[task]
             cells = plan_cells(scenarios, plan, args.requests, model)
             meta["models"][task] = {k: str(v) for k, v in model.items()}
+            all_cells += cells
+            if all(c.skipped for c in cells):
+                continue
             servers = start_servers(model, args)
             try:
                 urls = {s: servers[s].url for s in SERVERS}
@@ -600,19 +630,22 @@ def main(argv: list[str] | None = None) -> int:
                         cell.results[server] = measure(cell, urls[server], args.cell_seconds)
                         r = cell.results[server]
                         print(f"  {cell.key:<58} {server:<9} n {r['n']:>4}  p50 {r['p50']:9.2f} ms  p99 {r['p99']:9.2f} ms  "
-                              f"{r['items_per_s']:9.1f} {'emb' if task == 'embed' else 'pairs'}/s  ({time.perf_counter() - t:.1f} s)", flush=True)
+                              f"{r['items_per_s']:9.1f} {'emb' if task == 'embed' else 'pairs'}/s  ({time.perf_counter() - t:.1f} s)"
+                              + (f"  {r['retries']} retries after 429 / 503" if r["retries"] else ""), flush=True)
+                        meta["elapsed_s"] = time.perf_counter() - started
+                        write_json(out, all_cells, meta)  # after every cell: a run stopped at its time limit keeps what it measured
             finally:
                 for server in servers.values():
                     server.stop()
-            all_cells += cells
     finally:
+        # Also after a failure: the table and the files show what was measured until then.
         shutil.rmtree(tmp, ignore_errors=True)
-    all_cells.sort(key=lambda c: c.scenario)
-    meta["elapsed_s"] = time.perf_counter() - started
-    print_table(all_cells)
-    written = [write_json(out, all_cells, meta), *write_plots(out, all_cells)]
-    print(f"\nwrote {', '.join(str(w) for w in written)}")
-    print(f"total {meta['elapsed_s']:.0f} s")
+        all_cells.sort(key=lambda c: c.scenario)
+        meta["elapsed_s"] = time.perf_counter() - started
+        print_table(all_cells)
+        written = [write_json(out, all_cells, meta), *write_plots(out, all_cells)]
+        print(f"\nwrote {', '.join(str(w) for w in written)}")
+        print(f"total {meta['elapsed_s']:.0f} s")
     return 0
 
 
