@@ -13,7 +13,8 @@ class ServerConfig:
     # run eagerly, and an eager launch of a big model takes tens of ms of the event loop's CPU.
     max_batch_tokens: int | None = None
     max_batch_seqs: int = 256
-    max_pending_tokens: int = 1 << 20
+    # Four concurrent 100 x 4096-token requests (1.6 M tokens) must fit: ids cost 4 bytes a token.
+    max_pending_tokens: int = 1 << 22
     max_in_flight: int = 2
     metrics_port: int | None = None
     launch: str | None = None  # None: "inline" on CUDA, "thread" on CPU (see batcher.py)
