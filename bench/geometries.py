@@ -56,6 +56,12 @@ def make_model(path: Path, geometry: str, *, variant: str = "embed", dtype: torc
     if variant == "pplx":
         cfg_json.update(model_type="bidirectional_pplx_qwen3", architectures=["PPLXQwen3Model"])
     (path / "config.json").write_text(json.dumps(cfg_json))
+    if variant == "reranker":
+        # Qwen3-Reranker reads as long inputs as its positions allow; the stand-in tokenizer's
+        # config would otherwise cap pairs at 512 tokens, less than a 512-token document + template.
+        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+        tok_cfg["model_max_length"] = g["max_position_embeddings"]
+        (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
     if variant in ("embed", "pplx"):
         pooling = "lasttoken" if (family == "qwen3" and variant == "embed") else "mean"
         tiny._st_files(path, pooling, normalize=variant == "embed", max_len=g["max_position_embeddings"], dim=g["hidden_size"])
