@@ -468,6 +468,13 @@ def write_json(out: Path, cells: list[Cell], meta: dict) -> Path:
     return path
 
 
+def cell_from_row(row: dict) -> Cell:
+    """A measured cell back from a results.json row (for --replot)."""
+    return Cell(scenario=row["scenario"], label=row["label"], route="", bodies=[], items=row["items_per_request"],
+                procs=row["client_processes"], clients=row["clients_per_process"], skipped=row.get("skipped") or "",
+                results={k: row[k] for k in SERVERS if row.get(k)})
+
+
 def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
     try:
         import matplotlib
@@ -525,7 +532,7 @@ def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
         plt.close(fig)
     group = [c for c in done if c.scenario == 4]
     if group:
-        clients = [c.clients for c in group]
+        clients = [c.procs * c.clients for c in group]  # concurrent clients in all processes
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
         for server in SERVERS:
             a1.plot(clients, [c.results[server]["requests_per_s"] for c in group], "o-", label=server, color=colors[server])
@@ -575,7 +582,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1, help="florist gateway workers (default 1; the baseline runs one uvicorn worker)")
     p.add_argument("--baseline-http", default="auto", choices=["auto", "fastapi", "aiohttp"], help="the baseline's HTTP server (auto: FastAPI when importable)")
     p.add_argument("--smoke", action="store_true", help="tiny models on the CPU, a few requests: the code path only")
+    p.add_argument("--replot", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="only redraw the plots into --out from earlier results.json files (runs nothing)")
     args = p.parse_args(argv)
+    if args.replot:
+        out = args.out or Path(tempfile.mkdtemp(prefix="florist-bench-serve-"))
+        out.mkdir(parents=True, exist_ok=True)
+        cells = [cell_from_row(row) for f in args.replot for row in json.loads(f.read_text())["rows"]]
+        print("wrote " + ", ".join(str(w) for w in write_plots(out, [c for c in cells if not c.skipped])))
+        return 0
     started = time.perf_counter()
     scenarios = sorted({int(s) for s in args.scenarios.split(",") if s.strip()})
     if not set(scenarios) <= set(SCENARIO_TASK):

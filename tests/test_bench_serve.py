@@ -43,6 +43,13 @@ def test_serve_bench_smoke(tmp_path):
     for name in ("scenario1_latency", "scenario2_latency", "scenario3_throughput", "scenario4_latency", "scenario4_concurrency"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
+    # --replot redraws the same plots from results.json alone.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import serve
+
+    assert serve.main(["--replot", str(tmp_path / "results.json"), "--out", str(tmp_path / "replot")]) == 0
+    assert sorted(p.name for p in (tmp_path / "replot").iterdir()) == sorted(p.name for p in tmp_path.glob("*.png"))
+
 
 def test_serve_bench_cross_encoder_behind_aiohttp(tmp_path):
     """The ms-marco-style cross-encoder geometry, and the baseline's aiohttp fallback."""
