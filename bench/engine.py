@@ -26,45 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from geometries import make_model  # noqa: E402
+from report import ROWS, percentiles, record, sync, time_calls  # noqa: E402
 
 from florist import Engine  # noqa: E402
 from florist.engine.batch import HostBatch  # noqa: E402
-
-ROWS: list[dict] = []
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def percentiles(ms: list[float]) -> dict:
-    a = np.asarray(ms)
-    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)), "max": float(a.max()), "n": len(ms)}
-
-
-def time_calls(fn, n: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    sync()
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e3)
-    return out
-
-
-def record(scenario: str, metric: str, florist_value: float, baseline: float | None, unit: str, extra: dict | None = None):
-    higher_better = unit.endswith("/s")
-    ratio = None
-    if baseline:
-        ratio = florist_value / baseline if higher_better else baseline / florist_value
-    ROWS.append({"scenario": scenario, "metric": metric, "florist": florist_value, "transformers": baseline, "unit": unit, "speedup": ratio, **(extra or {})})
-    b = f"{baseline:10.3f}" if baseline is not None else " " * 10
-    r = f"{ratio:7.2f}x" if ratio is not None else ""
-    print(f"{scenario:42s} {metric:10s} {florist_value:10.3f} {b} {unit:6s} {r}", flush=True)
-
 
 class HFBaseline:
     """What a user would otherwise run: transformers with SDPA, padded batches."""

@@ -28,28 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from geometries import make_model  # noqa: E402
+from report import ROWS, record, sync  # noqa: E402
 
 from florist import Engine  # noqa: E402
 from florist.engine.generation.config import GenerationConfig  # noqa: E402
-
-ROWS: list[dict] = []
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def record(scenario: str, metric: str, florist_value: float, baseline: float | None, unit: str, extra: dict | None = None):
-    higher_better = unit.endswith("/s")
-    ratio = None
-    if baseline:
-        ratio = florist_value / baseline if higher_better else baseline / florist_value
-    ROWS.append({"scenario": scenario, "metric": metric, "florist": florist_value, "transformers": baseline, "unit": unit, "speedup": ratio, **(extra or {})})
-    b = f"{baseline:12.3f}" if baseline is not None else " " * 12
-    r = f"{ratio:8.1f}x" if ratio is not None else ""
-    print(f"{scenario:40s} {metric:14s} {florist_value:10.3f} {b} {unit:9s} {r}", flush=True)
-
 
 def timed(fn, repeats: int) -> float:
     """Median seconds of `repeats` calls (each synchronised: generation returns host tokens)."""

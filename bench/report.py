@@ -1,0 +1,47 @@
+"""What every bench script shares: one row per measurement, florist beside the baseline, with
+the speedup computed the same way everywhere (baseline / florist for times, florist / baseline
+for rates), printed as it is measured and kept for the summary and the JSON file."""
+
+from __future__ import annotations
+
+import torch
+
+ROWS: list[dict] = []
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def record(scenario: str, metric: str, florist_value: float, baseline: float | None, unit: str, extra: dict | None = None) -> None:
+    higher_better = unit.endswith("/s")
+    ratio = None
+    if baseline:
+        ratio = florist_value / baseline if higher_better else baseline / florist_value
+    ROWS.append({"scenario": scenario, "metric": metric, "florist": florist_value, "transformers": baseline, "unit": unit, "speedup": ratio, **(extra or {})})
+    b = f"{baseline:12.3f}" if baseline is not None else " " * 12
+    r = f"{ratio:8.2f}x" if ratio is not None else ""
+    print(f"{scenario:44s} {metric:12s} {florist_value:10.3f} {b} {unit:9s} {r}", flush=True)
+
+
+def percentiles(ms: list[float]) -> dict:
+    import numpy as np
+
+    a = np.asarray(ms)
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)), "max": float(a.max()), "n": len(ms)}
+
+
+def time_calls(fn, n: int, warmup: int) -> list[float]:
+    """Host wall time of `n` calls of `fn` (each waits for its own result), in ms, after `warmup`."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out

@@ -1,0 +1,24 @@
+"""bench/engine.py's smoke mode (tiny models on the CPU), so the benchmark cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_engine_bench_smoke(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "engine.py"), "--smoke", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "== summary ==" in proc.stdout
+    rows = json.loads(out.read_text())
+    scenarios = {r["scenario"] for r in rows}
+    assert {"tiny-qwen3 batch 1 x 16 tokens", "tiny-qwen3 8 x 32", "tiny-bert 8 x 32"} <= scenarios
+    for r in rows:
+        if r["transformers"] is not None:
+            assert r["florist"] > 0 and r["speedup"] > 0
