@@ -6,6 +6,8 @@ weights, and runs batches: `step(host_batch)` launches and returns a `LazyTensor
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from florist.config import ModelConfig
@@ -82,8 +84,6 @@ class ModelRunner:
     def _load(self) -> None:
         loaded = load_weights(self.model, iter_tensors(safetensors_files(self.model_dir.path)), self.model.weight_map)
         for k, dense in enumerate(self.model_dir.pipeline.dense):
-            from pathlib import Path
-
             files = sorted(Path(dense.path).glob("*.safetensors"))
             loaded |= load_weights(self.model, iter_tensors(files), _DENSE_MAP, prefix=f"head.dense.{k}.")
         check_complete(self.model, loaded)

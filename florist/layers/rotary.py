@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from florist.kernels import rotary
 
 
 class RotaryEmbedding(nn.Module):
     """Holds a [max_positions, head_dim] cos|sin cache in fp32, indexed by per-token positions.
 
     The cache is a buffer, so it moves with the module; it is never part of the checkpoint.
+    The rotation itself is fused with QK-norm (`florist.kernels.rotary.qk_norm_rope`).
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
@@ -20,7 +20,3 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()  # [P, head_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D] -> rotated copies."""
-        return rotary.apply_rotary(q, k, positions, self.cos_sin_cache)
