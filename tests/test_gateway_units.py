@@ -267,3 +267,21 @@ def test_json_in_and_out(monkeypatch, fast):
     assert err.value.status == 400
     rows = np.asarray([[0.5, -1.25]], dtype=np.float32)
     assert json.loads(jsonio.dumps({"x": list(rows), "b": np.asarray([1, 255], np.uint8)})) == {"x": [[0.5, -1.25]], "b": [1, 255]}
+
+
+def test_serve_passes_engine_options_to_its_engine_servers(monkeypatch):
+    import florist.gateway.supervisor as supervisor
+    from florist.cli import main
+
+    seen = {}
+
+    def fake_serve(config, *, workers, engine_args, device, replicas):
+        seen.update(engine_args=engine_args, workers=workers)
+        return 0
+
+    monkeypatch.setattr(supervisor, "serve", fake_serve)
+    assert main(["serve", "--model", "/m", "--task", "score", "--max-pending-tokens", "123", "--max-batch-tokens", "456"]) == 0
+    args = seen["engine_args"]
+    assert args[args.index("--task") + 1] == "score"
+    assert args[args.index("--max-pending-tokens") + 1] == "123" and args[args.index("--max-batch-tokens") + 1] == "456"
+    assert main(["serve", "--model", "/m"]) == 0 and "--task" not in seen["engine_args"]

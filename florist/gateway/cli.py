@@ -31,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--engines", default=None, help="use running engine servers instead: host:port,host:port,...")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or a list cuda:0,cuda:2 (default: every GPU, else the CPU)")
     p.add_argument("--dtype", default=None, help="engine dtype: bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--task", default=None, choices=["embed", "score"], help="override the task read from the model directory (e.g. a Qwen3 reranker whose directory name does not say so)")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one engine batch (engine default)")
+    p.add_argument("--max-pending-tokens", type=int, default=None, help="tokens an engine queues before answering 429 (engine default)")
     p.add_argument("--workers", type=int, default=1, help="gateway processes (default 1)")
     p.add_argument("--api-key", default=os.environ.get("FLORIST_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $FLORIST_API_KEY; none: no key)")
     p.add_argument("--payload-limit", type=int, default=d.payload_limit_bytes, help=f"largest request body in bytes (default {d.payload_limit_bytes})")
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         payload_limit_bytes=args.payload_limit, max_inputs=args.max_inputs, chunk_seqs=args.chunk_seqs, chunk_tokens=args.chunk_tokens,
         tokenization_workers=args.tokenization_workers, reuse_port=args.workers > 1,
     )
-    engine_args = [a for flag, value in (("--model", args.model), ("--dtype", args.dtype), ("--max-batch-tokens", args.max_batch_tokens)) if value is not None for a in (flag, str(value))]
+    passed = (("--model", args.model), ("--dtype", args.dtype), ("--task", args.task), ("--max-batch-tokens", args.max_batch_tokens), ("--max-pending-tokens", args.max_pending_tokens))
+    engine_args = [a for flag, value in passed if value is not None for a in (flag, str(value))]
     try:
         return serve(config, workers=args.workers, engine_args=engine_args, device=args.device, replicas=args.replicas)
     except (ConnectionError, OSError, RuntimeError) as e:
