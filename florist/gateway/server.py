@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import threading
 from collections.abc import Callable
 
 from aiohttp import web
@@ -24,6 +23,7 @@ from florist.gateway.dispatch import ChunkLimits, Dispatcher
 from florist.gateway.metrics import GatewayMetrics
 from florist.gateway.pipeline import Pipeline
 from florist.gateway.tokenization import Tokenization, load_text_processor
+from florist.loop_thread import LoopThread
 
 
 class RunningGateway:
@@ -92,7 +92,7 @@ async def serve_until_signal(config: GatewayConfig, on_ready: Callable[[RunningG
         await running.stop()
 
 
-class GatewayThread:
+class GatewayThread(LoopThread):
     """A gateway on its own event loop in a background thread.
 
         with GatewayThread(GatewayConfig(engines=(srv.address,), port=0)) as gw:
@@ -100,11 +100,8 @@ class GatewayThread:
     """
 
     def __init__(self, config: GatewayConfig):
+        super().__init__("florist-gateway")
         self.config = config
-        self.running: RunningGateway | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), name="florist-gateway", daemon=True)
 
     @property
     def port(self) -> int:
@@ -114,26 +111,5 @@ class GatewayThread:
     def url(self) -> str:
         return f"http://{self.config.host}:{self.port}"
 
-    def __enter__(self) -> GatewayThread:
-        self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stopping.set)
-            self._thread.join()
-
-    async def _serve(self) -> None:
-        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
-        try:
-            self.running = await start_gateway(self.config)
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        await self._stopping.wait()
-        await self.running.stop()
+    async def _start(self) -> RunningGateway:
+        return await start_gateway(self.config)

@@ -15,16 +15,16 @@ the same ids. Errors map to status codes once, here:
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 import hashlib
-import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import numpy as np
 
 from florist.engine.output import check_output_options, finalize_embeddings, finalize_scores
+from florist.loop_thread import LoopThread
 from florist.server import proto, wire
 from florist.server.batcher import Batcher, DeadlineExpired
 from florist.server.config import ServerConfig
@@ -211,7 +211,7 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
     return RunningServer(server, service, batcher, port, metrics, metrics_http)
 
 
-class ServerThread:
+class ServerThread(LoopThread):
     """A server on its own event loop in a background thread (tests, benchmarks, notebooks).
 
         with ServerThread(engine, ServerConfig(port=0)) as srv:
@@ -219,45 +219,15 @@ class ServerThread:
     """
 
     def __init__(self, engine, config: ServerConfig = ServerConfig(port=0)):
+        super().__init__("florist-server")
         self.engine, self.config = engine, config
-        self.running: RunningServer | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="florist-server", daemon=True)
 
     @property
     def address(self) -> str:
         return _hostport(self.config.host, self.running.port)
 
-    def start(self) -> "ServerThread":
-        self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        return self
+    async def _start(self) -> RunningServer:
+        return await start_server(self.engine, self.config)
 
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stopping.set)
-            self._thread.join()
-
-    def __enter__(self) -> "ServerThread":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _main(self) -> None:
-        asyncio.run(self._serve())
-
-    async def _serve(self) -> None:
-        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
-        try:
-            self.running = await start_server(self.engine, self.config)
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        await self._stopping.wait()
-        await self.running.stop(grace=0.5)
+    async def _stop(self, running: RunningServer) -> None:
+        await running.stop(grace=0.5)
