@@ -46,6 +46,8 @@ def interpreted_results() -> dict[str, str]:
 
 @pytest.mark.parametrize("case", list(kernel_cases.CASES))
 def test_kernel_matches_reference_interpreted(case, interpreted_results):
+    if case in kernel_cases.INTERPRETER_SKIPS:
+        pytest.skip("GPU only (kernel_cases.INTERPRETER_SKIPS says why)")
     assert interpreted_results[case] == "ok", f"{case}:\n{interpreted_results[case]}"
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from florist.distributed import all_reduce, tp_rank, tp_size
+from florist.layers.linear import linear
 
 VOCAB_PAD_MULTIPLE = 64
 
@@ -68,7 +69,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] -> logits [B, shard_size] for global ids [vocab_start, vocab_start +
         shard_size); the columns past num_valid are padding."""
-        return F.linear(hidden, self.weight)
+        return linear(hidden, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         raise TypeError("ParallelLMHead is not an embedding; use LogitsProcessor(lm_head, ...) or local_logits(hidden)")

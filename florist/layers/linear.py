@@ -16,6 +16,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from florist.distributed import all_reduce, tp_rank, tp_size
+from florist.kernels import skinny_gemm
+from florist.kernels.activation import silu_and_mul
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except for few rows on CUDA, where the skinny-M kernel streams the weight faster
+    (florist/kernels/skinny_gemm.py: which shapes, and the measurements behind them)."""
+    if skinny_gemm.applies(x, weight):
+        config = skinny_gemm.pick_config(x.shape[0], weight.shape[0], weight.shape[1])
+        if config is not None:
+            return skinny_gemm.skinny_gemm_triton(x, weight, bias, False, config)
+    return F.linear(x, weight, bias)
 
 
 def _divide(numerator: int, denominator: int, what: str = "a layer size") -> int:
@@ -44,7 +56,7 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -81,6 +93,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _copy_checked(dst, loaded.chunk(self.tp_size, 0)[self.tp_rank] if self.tp_size > 1 else loaded)
 
 
+    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for a [gate | up] layer: [T, I] (each rank's I / tp). One fused kernel
+        for few rows on CUDA (the [T, 2I] projection is never written), else matmul + SwiGLU."""
+        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
+            raise ValueError(f"SwiGLU needs two equal parts (gate, up); this layer has {self.output_sizes}")
+        if skinny_gemm.applies(x, self.weight):
+            config = skinny_gemm.pick_config(x.shape[0], self.weight.shape[0], self.weight.shape[1], silu_mul=True)
+            if config is not None:
+                return skinny_gemm.skinny_gemm_triton(x, self.weight, self.bias, True, config)
+        return silu_and_mul(F.linear(x, self.weight, self.bias))
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused; shard_id is "q", "k" or "v"."""
 
@@ -104,5 +128,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added on one rank only, so the all-reduce adds it exactly once.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y) if self.tp_size > 1 else y

@@ -1,0 +1,158 @@
+"""Skinny matrix products: the Triton kernel (florist/kernels/skinny_gemm.py) against cuBLAS.
+
+For each served weight shape (Qwen3-0.6B, all-MiniLM-L6-v2, the Qwen3 LM head) and row count M,
+times y = x @ w.T three ways, all inside CUDA graphs:
+
+    cublas   F.linear (and, for the gate/up shape, F.linear + the fused SwiGLU kernel: today's path)
+    picked   skinny_gemm with the configuration `pick_config` chooses (what the model runs)
+    best     the fastest configuration of a sweep (what `pick_config` could choose)
+
+NOTE: one replay calls the product on `copies` distinct weights (> 200 MB in all), as 28 layers
+do, so weights come from HBM and not from the 50 MB L2. Time per call = replay time / copies.
+The floor is the weight bytes / 4.2 TB/s.
+
+    python bench/gemm.py [--m 1 16 64 128 256 512] [--sweep] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from florist.kernels import activation, skinny_gemm  # noqa: E402
+from florist.kernels.skinny_gemm import GemmConfig  # noqa: E402
+
+PEAK_BYTES_PER_S = 4.2e12
+# name, N (weight rows), K, SwiGLU fused
+SHAPES = [
+    ("qwen3 qkv", 4096, 1024, False),
+    ("qwen3 o", 1024, 2048, False),
+    ("qwen3 gate_up+silu", 6144, 1024, True),
+    ("qwen3 down", 1024, 3072, False),
+    ("qwen3 lm_head", 151936, 1024, False),
+    ("minilm qkv", 1152, 384, False),
+    ("minilm o", 384, 384, False),
+    ("minilm up", 1536, 384, False),
+    ("minilm down", 384, 1536, False),
+]
+
+
+def time_graph(fn, copies: int, replays: int = 20) -> float:
+    """Median us per call of fn(i) for i in range(copies), captured in one graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(copies):  # warm-up outside the graph (compiles, allocates)
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / copies)
+    del graph
+    return statistics.median(times)
+
+
+def sweep_configs(m: int, silu_mul: bool) -> list[GemmConfig]:
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    out = []
+    stage_options = (3, 5) if block_m <= 32 else (4,)
+    k_options = (64, 128, 256) if block_m <= 16 else (64, 128)
+    for block_n, block_k, split_k, stages in itertools.product((16, 32, 64, 128), k_options, (1, 2, 4, 8), stage_options):
+        if silu_mul and split_k > 1:
+            continue
+        if block_m * block_k * 2 * stages + block_n * block_k * 2 * stages * (2 if silu_mul else 1) > 200_000:
+            continue  # over the SM's shared memory
+        out.append(GemmConfig(block_m, block_n, block_k, split_k, 4, stages))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 32, 64, 128, 192, 256, 512])
+    ap.add_argument("--sweep", action="store_true", help="also time a sweep of configurations (slow: compiles many kernels)")
+    ap.add_argument("--sweep-m", type=int, nargs="+", default=[1, 16, 64, 128, 256], help="row counts the sweep covers")
+    ap.add_argument("--shapes", default="", help="comma list of shape-name prefixes (default: all)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    dtype, dev = torch.bfloat16, "cuda"
+    prefixes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    rows = []
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
+    header = f"{'shape':20s} {'M':>4s} {'floor':>7s} {'cublas':>8s} {'picked':>8s} {'best':>8s}  best config / picked config (us per call)"
+    print(header, flush=True)
+    for name, n, k, silu in SHAPES:
+        if prefixes and not any(name.startswith(p) for p in prefixes):
+            continue
+        weight_bytes = n * k * 2
+        copies = max(2, min(64, -(-256 * 2**20 // weight_bytes)))
+        weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.05 for _ in range(copies)]
+        for m in args.m:
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            ref = skinny_gemm.skinny_gemm_ref(x.float(), weights[0].float(), None, silu)
+
+            def cublas(i):
+                y = F.linear(x, weights[i])
+                return activation.silu_and_mul(y) if silu else y
+
+            t_cublas = time_graph(cublas, copies)
+            picked = skinny_gemm.pick_config(m, n, k, silu)
+            t_picked = None
+            if picked is not None:
+                got = skinny_gemm.skinny_gemm_triton(x, weights[0], None, silu, picked).float()
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                assert err < 2e-2, f"{name} M={m} {picked}: relative error {err}"
+                t_picked = time_graph(lambda i: skinny_gemm.skinny_gemm_triton(x, weights[i], None, silu, picked), copies)
+            best, best_cfg = None, None
+            if args.sweep and m in args.sweep_m and "lm_head" not in name:
+                for cfg in sweep_configs(m, silu):
+                    try:
+                        t = time_graph(lambda i: skinny_gemm.skinny_gemm_triton(x, weights[i], None, silu, cfg), copies, replays=8)
+                    except Exception as exc:  # out of resources and the like: not a candidate
+                        print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
+                        continue
+                    if best is None or t < best:
+                        best, best_cfg = t, cfg
+            floor = weight_bytes / PEAK_BYTES_PER_S * 1e6
+            rows.append({"shape": name, "m": m, "n": n, "k": k, "floor_us": floor, "cublas_us": t_cublas, "picked_us": t_picked,
+                         "picked": picked.__dict__ if picked else None, "best_us": best, "best": best_cfg.__dict__ if best_cfg else None})
+            fmt = lambda v: f"{v:8.2f}" if v is not None else f"{'-':>8s}"  # noqa: E731
+            cfgs = lambda c: "-" if c is None else f"m{c.block_m} n{c.block_n} k{c.block_k} s{c.split_k} st{c.num_stages}"  # noqa: E731
+            print(f"{name:20s} {m:4d} {floor:7.2f} {fmt(t_cublas)} {fmt(t_picked)} {fmt(best)}  {cfgs(best_cfg)} / {cfgs(picked)}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    # Whole-layer sums for Qwen3 (qkv + o + gate_up+silu + down), the number that moves latency.
+    print("\nQwen3-0.6B layer (qkv + o + gate_up+silu + down), us:")
+    for m in args.m:
+        sel = [r for r in rows if r["m"] == m and r["shape"].startswith("qwen3") and "lm_head" not in r["shape"]]
+        if len(sel) == 4:
+            c = sum(r["cublas_us"] for r in sel)
+            p = sum(r["picked_us"] if r["picked_us"] is not None else r["cublas_us"] for r in sel)
+            b = sum(min(x for x in (r["best_us"], r["picked_us"], r["cublas_us"]) if x is not None) for r in sel)
+            print(f"  M={m:4d}: cublas {c:7.2f}  picked {p:7.2f}  best {b:7.2f}  (x28 layers: {28 * c / 1e3:.3f} / {28 * p / 1e3:.3f} / {28 * b / 1e3:.3f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

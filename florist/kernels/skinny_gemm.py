@@ -1,0 +1,223 @@
+"""Matrix products with few rows ("skinny M"): y = x @ w.T (+ bias), optionally with SwiGLU fused.
+
+At batch 1 an embedding request is 64-512 tokens and a decode step is 1-32 rows, so every linear
+layer is a weight-streaming problem: the [N, K] weight is read once and the x rows are tiny. The
+floor is the weight bytes over the memory bandwidth. cuBLAS picks split-K kernels there that
+reach ~1.2 TB/s on the H200 (docs/benchmarks.md). This kernel tiles only N (and optionally K),
+so a grid of about one program per SM or more streams the weight:
+
+    grid = (N / BLOCK_N, SPLIT_K, M / BLOCK_M)
+    program (n, s, m):  acc[BLOCK_M, BLOCK_N] = x[m rows, K slice s] @ w[n rows, K slice s].T
+
+    SPLIT_K = 1:  the program applies the epilogue (bias, or silu(gate) * up) and stores y;
+    SPLIT_K > 1:  it stores fp32 partials [SPLIT_K, M, N]; `_reduce_kernel` sums them in a fixed
+                  order (deterministic, unlike atomics), adds the bias and casts.
+
+Fused SwiGLU (`silu_mul=True`): w is MergedColumnParallelLinear's [gate (I) | up (I)] weight; a
+program reads the gate rows n.. and the up rows I+n.. of the same K slice into two accumulators
+and stores silu(gate) * up: [M, I]. The [M, 2I] projection is never written, and one launch
+disappears per layer.
+
+Which configuration runs for a shape is `pick_config` (measured on the H200 by
+`bench/gemm.py`); shapes it does not cover return None and the caller uses cuBLAS (F.linear).
+NOTE: the weight-bandwidth floor is not what limits these products: inside a CUDA graph every
+kernel costs ~5 us however few bytes it reads, so the kernel wins where cuBLAS picks a poor
+split (one row) and where fusing SwiGLU removes a launch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference below is the whole implementation
+    triton = None
+
+# NOTE: without triton the kernels below are plain (never called) functions; the annotations are
+# strings (`from __future__ import annotations`), which triton.jit reads as constexpr markers.
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+_DTYPES = (torch.float16, torch.bfloat16)
+# FLORIST_SKINNY_GEMM=0 sends every product to cuBLAS (for side-by-side measurements).
+ENABLED = os.environ.get("FLORIST_SKINNY_GEMM", "1") != "0"
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    y = F.linear(x, weight, bias)
+    if silu_mul:
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return y
+
+
+def pick_config(m: int, n: int, k: int, silu_mul: bool = False) -> GemmConfig | None:
+    """The configuration for a [m, k] x [n, k].T product, or None where cuBLAS is as fast.
+
+    Measured with `bench/gemm.py --sweep` on the H200 (docs/benchmarks.md, "Skinny matrix
+    products"); every configuration below is the sweep's best (or within 0.3 us of it) for the
+    shapes named. Inside a CUDA graph any product costs >= ~5 us, so these win microseconds:
+      rows <= 64 and ...
+      - gate/up + SwiGLU (Qwen3 6144 x 1024): 7.1 vs 7.6 us at 1 row, 6.8 vs 7.9 at 64 rows (the
+        cuBLAS figure includes the separate SwiGLU kernel this one makes unnecessary);
+      - narrow output, long K (Qwen3 o 1024 x 2048, down 1024 x 3072; split K 4): 5.4 vs 12.7 us
+        and 6.2 vs 7.5 at 1 row (cuBLAS picks a poor kernel for M = 1), 6.4 vs 7.9 for down at 64;
+      - short K (all-MiniLM-L6-v2, K = 384): 2.4-3.1 vs 2.8-3.5 us.
+    Qwen3's qkv (4096 x 1024) and the LM head stay with cuBLAS (it is as fast or faster), and
+    above 64 rows cuBLAS' tensor-core tiles win every shape measured.
+    """
+    if m > 64:
+        return None
+    small = m <= 16
+    bm = 16 if small else 64
+    if silu_mul:
+        return GemmConfig(bm, 32, 256, 1, 4, 3) if small else GemmConfig(bm, 32, 128, 1, 4, 4)
+    if n <= 512 and k >= 1024:  # all-MiniLM-L6-v2's down projection
+        return GemmConfig(bm, 32, 256, 4, 4, 3) if small else GemmConfig(bm, 16, 128, 4, 4, 4)
+    if k >= 2048 and n <= 2048:
+        return GemmConfig(bm, 32, 128, 4, 4, 5) if small else GemmConfig(bm, 32, 128, 4, 4, 4)
+    if k <= 512:
+        return GemmConfig(bm, 32, 128, 1, 4, 4) if small else GemmConfig(bm, 16, 128, 1, 4, 4)
+    return None
+
+
+def _supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.dtype in _DTYPES and weight.dtype == x.dtype and x.dim() == 2 and weight.dim() == 2
+        and x.stride(1) == 1 and weight.stride(1) == 1 and x.shape[1] == weight.shape[1] and x.shape[1] % 16 == 0
+    )
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return ENABLED and triton is not None and x.is_cuda and _supported(x, weight)
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+                config: GemmConfig | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias); with silu_mul, silu(y[:, :I]) * y[:, I:]. Triton where it applies
+    and `pick_config` (or `config`) chooses it, else the torch reference."""
+    if applies(x, weight):
+        config = config or pick_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul)
+        if config is not None:
+            return skinny_gemm_triton(x, weight, bias, silu_mul, config)
+    return skinny_gemm_ref(x, weight, bias, silu_mul)
+
+
+def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, config: GemmConfig) -> torch.Tensor:
+    assert _supported(x, weight), f"unsupported input: x {x.dtype} {tuple(x.shape)} strides {x.stride()}, weight {weight.dtype} {tuple(weight.shape)}"
+    assert not (silu_mul and config.split_k > 1), "SwiGLU is not linear in the partial sums: split_k must be 1"
+    assert not silu_mul or weight.shape[0] % 2 == 0, f"a merged gate/up weight has an even number of rows, not {weight.shape[0]}"
+    assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous())
+    # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
+    assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
+        f"tensors are on {x.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({x.device}) first"
+    )
+    m, k = x.shape
+    n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    if m == 0 or n_out == 0:
+        return out
+    c = config
+    split_k = c.split_k
+    # K slices are whole BLOCK_K blocks; a split that leaves a slice empty is pointless.
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), c.block_k) * c.block_k
+    split_k = triton.cdiv(k, k_per_split)
+    grid = (triton.cdiv(n_out, c.block_n), split_k, triton.cdiv(m, c.block_m))
+    if split_k == 1:
+        _gemm_kernel[grid](
+            x, weight, bias if bias is not None else out, out, m, n_out, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
+            0, 0, n_out if silu_mul else 0,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=False, HAS_BIAS=bias is not None,
+            SILU_MUL=silu_mul, EVEN_K=k % c.block_k == 0, num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+        return out
+    partial = torch.empty((split_k, m, n_out), dtype=torch.float32, device=x.device)
+    _gemm_kernel[grid](
+        x, weight, out, partial, m, n_out, k, x.stride(0), weight.stride(0), n_out, k_per_split,
+        partial.stride(0), 0, 0,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=True, HAS_BIAS=False,
+        SILU_MUL=False, EVEN_K=k % c.block_k == 0, num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    block = 1024
+    _reduce_kernel[(triton.cdiv(m * n_out, block),)](
+        partial, bias if bias is not None else out, out, m * n_out, n_out, partial.stride(0),
+        SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+@_jit
+def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
+                 stride_split, unused, up_offset,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    # Out-of-range rows/columns read row 0 (always valid) and are masked on store: loads stay
+    # unmasked along M/N, which keeps them vectorised.
+    rm_safe = tl.where(m_ok, rm, 0).to(tl.int64)
+    rn_safe = tl.where(n_ok, rn, 0).to(tl.int64)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    x_ptrs = x_ptr + rm_safe[:, None] * stride_xm + (k_start + rk)[None, :]
+    w_ptrs = w_ptr + rn_safe[None, :] * stride_wn + (k_start + rk)[:, None]  # [BLOCK_K, BLOCK_N] view of w.T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = (k + rk) < k_end
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(x, w, acc)
+        if SILU_MUL:
+            if EVEN_K:
+                w_up = tl.load(w_ptrs + up_offset * stride_wn)
+            else:
+                w_up = tl.load(w_ptrs + up_offset * stride_wn, mask=k_ok[:, None], other=0.0)
+            acc_up = tl.dot(x, w_up, acc_up)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    mask = m_ok[:, None] & n_ok[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * stride_split + rm[:, None] * stride_om + rn[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if SILU_MUL:
+                acc_up += tl.load(b_ptr + up_offset + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _reduce_kernel(partial_ptr, b_ptr, out_ptr, numel, N, stride_split, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # a fixed order: the same inputs give the same bits
+        acc += tl.load(partial_ptr + s * stride_split + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
