@@ -100,6 +100,20 @@ class RaggedBatch:
     def num_seqs(self) -> int:
         return self.cu_seqlens.shape[0] - 1
 
+    def last_token_index(self) -> torch.Tensor:
+        """[B] int64: each sequence's last token (an empty trailing sequence of a padded batch
+        points at the token before it: valid, and its row is sliced off)."""
+        return self.cu_seqlens[1:].long() - 1
+
+    def one_token_per_seq(self) -> "RaggedBatch":
+        """The batch as seen by a head given one row per sequence (the model already picked each
+        sequence's last token): sequence b is row b alone."""
+        b = self.num_seqs
+        cu = torch.arange(b + 1, dtype=torch.int32, device=self.cu_seqlens.device)
+        return RaggedBatch(input_ids=self.input_ids[:b], positions=self.positions[:b], seq_ids=cu[:-1], cu_seqlens=cu,
+                           token_type_ids=None, max_seqlen=1, seq_lens_host=(1,) * len(self.seq_lens_host),
+                           single_sequence=self.single_sequence, has_padding=False, uniform_seqlen=1)
+
 
 def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = None) -> np.ndarray:
     """Lay a batch out as one int32 array [ids | positions | seq_ids | token_types? | cu_seqlens],

@@ -138,6 +138,31 @@ def _auto_backend() -> AttentionFn:
     return attn
 
 
+def last_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch, scale: float) -> torch.Tensor:
+    """One query per sequence, from its last token, over all of that sequence's keys:
+    q [B, Hq, D], k/v [T, Hkv, D] -> [B, Hq, D]. The last token sees every key of its sequence
+    whether the model is causal or not, so no mask is needed beyond the sequence's bounds.
+
+    Used by the final layer of models whose head reads only the last token (Qwen3Model says
+    when). Dense SDPA for equal lengths; FlashAttention's varlen kernel on CUDA (one query per
+    sequence: cu_seqlens_q = 0, 1, ..., B); else keys gathered to [B, max_seqlen] under a length
+    mask. All capturable: only `max_seqlen` / `uniform_seqlen` (host values) size the work."""
+    b, gqa = q.shape[0], q.shape[1] != k.shape[1]
+    if batch.uniform_seqlen:
+        ks, vs = (t.view(b, batch.uniform_seqlen, t.shape[1], t.shape[2]).transpose(1, 2) for t in (k, v))
+        return F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, scale=scale, enable_gqa=gqa).squeeze(2)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and hasattr(torch.ops.aten, "_flash_attention_forward"):
+        cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, batch.cu_seqlens, 1, batch.max_seqlen, 0.0, False, False, scale=scale)[0]
+    cu = batch.cu_seqlens.long()
+    offsets = torch.arange(batch.max_seqlen, device=q.device)
+    index = (cu[:-1, None] + offsets[None, :]).clamp(max=k.shape[0] - 1)  # [B, L]
+    mask = offsets[None, :] < (cu[1:] - cu[:-1])[:, None]
+    ks, vs = k[index].transpose(1, 2), v[index].transpose(1, 2)  # [B, Hkv, L, D]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
+    return out.squeeze(2)
+
+
 class Attention(nn.Module):
     """Holds the per-layer attention geometry; the backend function is shared and fixed."""
 
@@ -153,3 +178,11 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         return self.backend(q, k, v, batch, self.causal, self.scale).reshape(t, -1)
+
+    def forward_last(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
+        """q: [B, Hq*D] (each sequence's last token), k/v: [T, Hkv*D] -> [B, Hq*D]."""
+        b, t = q.shape[0], k.shape[0]
+        q = q.view(b, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        return last_token_attention(q, k, v, batch, self.scale).reshape(b, -1)

@@ -28,7 +28,10 @@ class ModelBundle(nn.Module):
         self.model, self.head, self.weight_map = model, head, weight_map
 
     def forward(self, batch: RaggedBatch) -> torch.Tensor:
-        return self.head(self.model(batch), batch)
+        hidden = self.model(batch)
+        if getattr(self.model, "last_token_only", False):  # [B, H]: one row per sequence already
+            batch = batch.one_token_per_seq()
+        return self.head(hidden, batch)
 
 
 def build_model(cfg: ModelConfig, pipeline: PipelineConfig, backend: AttentionFn) -> ModelBundle:
