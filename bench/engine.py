@@ -169,13 +169,42 @@ def profile(engine: Engine, name: str, shapes: list[list[int]], iters: int = 10)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
+def latency_breakdown(engine: Engine, name: str, lens: list[int], n: int = 200):
+    """Where a batch-1 round trip goes: host time until step() returns (launch), device time from
+    the input copy to the output copy (CUDA events around step()), and the whole round trip."""
+    rng = np.random.default_rng(5)
+    for seqlen in lens:
+        host = HostBatch.from_sequences(random_seqs(rng, engine.info.vocab_size, [seqlen]))
+        for _ in range(20):
+            engine.step(host).numpy()
+        launch, gpu, total = [], [], []
+        for _ in range(n):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record()
+            lazy = engine.step(host)
+            b.record()
+            t1 = time.perf_counter()
+            lazy.numpy()
+            t2 = time.perf_counter()
+            b.synchronize()
+            launch.append((t1 - t0) * 1e3)
+            total.append((t2 - t0) * 1e3)
+            gpu.append(a.elapsed_time(b))
+        med = statistics.median
+        record(f"{name} 1 x {seqlen} round trip", "p50 ms", med(total), None, "ms",
+               {"launch_ms": med(launch), "gpu_ms": med(gpu), "exposed_host_ms": med(total) - med(gpu)})
+        print(f"    launch (host, step() returns) {med(launch):.3f} ms, device (events) {med(gpu):.3f} ms, "
+              f"round trip {med(total):.3f} ms", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny models, CPU, few iterations")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--baseline-iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--only", default="", help="comma list: qwen3,pplx,minilm,stream,threshold")
+    ap.add_argument("--only", default="", help="comma list: qwen3,pplx,minilm,stream,threshold,profile,breakdown,minilm-breakdown")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
@@ -196,7 +225,7 @@ def main():
     else:
         rng = np.random.default_rng(3)
         ragged = [int(x) for x in rng.integers(32, 513, size=100)]
-        if want("qwen3") or want("stream") or want("threshold") or want("profile"):
+        if want("qwen3") or want("stream") or want("threshold") or want("profile") or want("breakdown"):
             qwen = make_model(tmp / "qwen3", "qwen3-0.6b")
         if want("qwen3"):
             engine = run_geometry("qwen3-0.6b causal", qwen, dtype=torch.bfloat16, device=device, pooling="lasttoken", bidirectional=False,
@@ -205,6 +234,8 @@ def main():
             engine = Engine.from_pretrained(qwen, device=device)
         if want("profile"):
             profile(engine, "qwen3-0.6b", [[128], [512] * 100])
+        if want("breakdown"):
+            latency_breakdown(engine, "qwen3-0.6b", [128, 512])
         if want("stream"):
             step_stream(engine, "qwen3-0.6b", 200, (8, 512))
         if want("threshold"):
@@ -231,6 +262,9 @@ def main():
                              latency_lens=[128], batches=[("100 x 256", [256] * 100)], args=args)
             if want("threshold"):
                 graph_threshold(e, "minilm", [1024, 4096, 16384, 32768])
+        if want("minilm-breakdown"):
+            minilm = make_model(tmp / "minilm", "minilm-l6", dtype=torch.float16)
+            latency_breakdown(Engine.from_pretrained(minilm, device=device, dtype=torch.float16), "all-MiniLM-L6-v2 fp16", [128])
     if args.json:
         Path(args.json).write_text(json.dumps(ROWS, indent=1, default=str))
     print("\n== summary ==")
