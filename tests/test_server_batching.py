@@ -126,3 +126,126 @@ with ServerThread(SimulatedDevice(), ServerConfig(port=0)) as srv:
     np.testing.assert_array_equal(asyncio.run(go()), expected_rows([[1, 2, 3]]))
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# -- the idle fast path (a request that finds the server idle is launched by its handler) -------
+class RecordingDevice(SimulatedDevice):
+    """Also records the ids of each batch it ran, and (run_batcher) whether the loop launched it."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.batches: list[list[int]] = []
+        self.by_loop: list[bool] = []
+
+    def step(self, batch):
+        self.batches.append(batch.input_ids.tolist())
+        return super().step(batch)
+
+
+def run_batcher(device, body, *, max_batch_tokens=256, max_batch_seqs=16, launch=None):
+    from florist.server.batcher import Batcher
+    from florist.server.scheduler import Scheduler
+
+    async def go():
+        batcher = Batcher(device, Scheduler(max_batch_tokens, max_batch_seqs, 100_000), launch=launch)
+        launch_batch = batcher._launch
+
+        def recording_launch(batch):
+            device.by_loop.append(asyncio.current_task().get_name() == "florist-batcher")
+            launch_batch(batch)
+
+        batcher._launch = recording_launch
+        batcher.start()
+        try:
+            return await body(batcher)
+        finally:
+            assert batcher.scheduler.pending_seqs == 0
+            await batcher.stop()
+
+    return asyncio.run(go())
+
+
+def submit(batcher, seqs, deadline=None):
+    ids = np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs])
+    lens = np.asarray([len(s) for s in seqs], dtype=np.int32)
+    return asyncio.ensure_future(batcher.run(ids, lens, None, deadline))
+
+
+@pytest.mark.parametrize("launch", ["inline", "thread"])
+def test_a_lone_request_is_launched_by_its_handler_with_the_same_rows(launch):
+    device = RecordingDevice()
+    requests = [[[1, 2, 3]], [[4, 5], [6, 7, 8, 9]], [[10]]]
+
+    async def body(batcher):
+        alone = [await submit(batcher, r) for r in requests]  # one at a time: the server is idle each time
+        together = await asyncio.gather(*(submit(batcher, r) for r in requests))  # queued: the loop batches them
+        return alone, together
+
+    alone, together = run_batcher(device, body, launch=launch)
+    for seqs, a, b in zip(requests, alone, together):
+        np.testing.assert_array_equal(a, expected_rows(seqs))
+        np.testing.assert_array_equal(b, expected_rows(seqs))
+    assert device.by_loop[:3] == [False, False, False], "each lone request should be launched by its handler"
+    # Of the concurrent ones the first finds the server idle; the other two queue behind it.
+    assert device.by_loop[3:] == [False, True] and device.batches[4] == [4, 5, 6, 7, 8, 9, 10]
+
+
+def test_requests_arriving_behind_a_fast_path_launch_keep_fcfs_order():
+    device = RecordingDevice(per_token_s=0, base_s=0.02)
+
+    async def body(batcher):
+        first = submit(batcher, [[1, 1]])
+        await asyncio.sleep(0)  # first is launched (fast path) and now runs on the device
+        assert len(batcher.in_flight) == 1
+        later = [submit(batcher, [[k, k]]) for k in (2, 3, 4)]
+        return await asyncio.gather(first, *later)
+
+    results = run_batcher(device, body, max_batch_seqs=2)
+    for k, rows in enumerate(results, 1):
+        np.testing.assert_array_equal(rows, expected_rows([[k, k]]))
+    assert device.batches == [[1, 1], [2, 2, 3, 3], [4, 4]]
+    assert device.by_loop == [False, True, True]
+
+
+def test_a_lone_request_over_the_batch_budget_is_split_and_reassembled():
+    device = RecordingDevice()
+    seqs = [[k] * 60 for k in range(1, 11)]  # 600 tokens, budget 256: 4 + 4 + 2 sequences
+
+    async def body(batcher):
+        return await submit(batcher, seqs)
+
+    rows = run_batcher(device, body)
+    np.testing.assert_array_equal(rows, expected_rows(seqs))
+    assert [len(ids) for ids in device.batches] == [240, 240, 120]
+    assert device.by_loop == [False, True, True]
+
+
+def test_cancelling_a_fast_path_request_in_flight_leaves_the_server_serving():
+    device = RecordingDevice(per_token_s=0, base_s=0.05)
+
+    async def body(batcher):
+        doomed = submit(batcher, [[1, 2]])
+        await asyncio.sleep(0)
+        assert len(batcher.in_flight) == 1  # launched by its handler
+        doomed.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        after = await submit(batcher, [[3, 4]])
+        assert not batcher.in_flight
+        return after
+
+    np.testing.assert_array_equal(run_batcher(device, body), expected_rows([[3, 4]]))
+
+
+def test_an_expired_request_is_refused_by_the_fast_path_without_running():
+    from florist.server.batcher import DeadlineExpired
+
+    device = RecordingDevice()
+
+    async def body(batcher):
+        with pytest.raises(DeadlineExpired):
+            await submit(batcher, [[1, 2]], deadline=time.monotonic() - 1)
+        return await submit(batcher, [[3]])
+
+    np.testing.assert_array_equal(run_batcher(device, body), expected_rows([[3]]))
+    assert device.batches == [[3]]

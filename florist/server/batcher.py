@@ -5,7 +5,10 @@
        └──── future ◀── rows copied per request ◀── collect (oldest first) ◀─────────┘
 
 Up to `max_in_flight` (2) batches are launched at once: while batch N runs on the device the
-loop forms and launches N+1, so the device never waits for the host between batches. Results
+loop forms and launches N+1, so the device never waits for the host between batches. A request
+that finds the server idle (nothing queued, nothing in flight) is launched by its own handler
+at once, not one event-loop turn later by the loop (the idle fast path); the loop still polls
+and collects it. Results
 are collected oldest first and copied out of the engine's host buffer before another batch is
 launched (an engine may reuse its buffers). The loop runs on the server's event loop and never
 blocks it. How a batch runs and is waited for is decided once, at construction:
@@ -135,7 +138,14 @@ class Batcher:
         work = Work(ids, seq_lens, first_segment_lens, future)
         req = Request(seq_lens.tolist(), deadline, work)
         work.starts = [0, *itertools.accumulate(req.seq_lens[:-1])]
+        idle = not self.in_flight and not self.scheduler.has_pending()
         self.scheduler.add(req)
+        if idle:
+            # The fast path: nothing queued or running, so this request's batch is the next one
+            # and is launched here, without waiting for the loop to wake up. NOTE: safe because
+            # an idle loop is parked in `_wakeup.wait()` (it only yields while it has batches in
+            # flight, or after a failure with none); it still gets woken below to collect.
+            self._launch_next()
         self._wakeup.set()
         try:
             return await future
@@ -160,12 +170,8 @@ class Batcher:
         """Launch while there is room and work; collect the oldest batch if it is back; else
         wait for news (a request, a result) or, while polling, yield and look again."""
         self._wakeup.clear()
-        while len(self.in_flight) < self.max_in_flight:
-            batch = self.scheduler.next_batch()
-            self._fail_expired()
-            if batch is None:
-                break
-            self._launch(batch)
+        while len(self.in_flight) < self.max_in_flight and self._launch_next():
+            pass
         head = self.in_flight[0] if self.in_flight else None
         if head is not None and not head.done and not head.parked and head.lazy is not None:
             if head.lazy.ready():
@@ -196,11 +202,18 @@ class Batcher:
                 firsts.append(int(work.first_segment_lens[i]))
         return HostBatch.from_sequences(seqs, firsts if self.with_token_types else None)
 
+    def _launch_next(self) -> bool:
+        """Launch the next batch from the queue, if any; False when the queue is empty."""
+        batch = self.scheduler.next_batch()
+        self._fail_expired()
+        if batch is None:
+            return False
+        self._launch(batch)
+        return True
+
     def _launch(self, batch: Batch) -> None:
         flight = _InFlight(batch)
         self.in_flight.append(flight)
-        if self.metrics is not None:
-            self.metrics.observe_batch(batch.num_tokens, batch.num_seqs)
         try:
             host = self._host_batch(batch)
             if self.launch == "thread":
@@ -210,6 +223,8 @@ class Batcher:
                 flight.lazy = self.engine.step(host)
         except Exception as e:
             self._done(flight, None, e)
+        if self.metrics is not None:  # after the launch, so it overlaps the device's work
+            self.metrics.observe_batch(batch.num_tokens, batch.num_seqs)
 
     def _done(self, flight: _InFlight, rows, error) -> None:
         flight.rows, flight.error, flight.done = rows, error, True
