@@ -37,16 +37,19 @@ def decode_tokens(tokens, *, vocab_size: int, max_seq_len: int) -> tuple[np.ndar
     ids = int32_bytes(tokens.ids, "tokens.ids")
     if lens.size == 0:
         raise InputError("the request has no sequences (tokens.seq_lens is empty); send at least one")
-    if lens.min() < 1:
+    # One reduction per range check (this runs per request): seen as uint32, a negative value is
+    # larger than any bound, so `x.view(uint32).max() < n` means 0 <= x < n for every x.
+    bad_lens = (lens - 1).view(np.uint32).max() >= max_seq_len
+    if bad_lens and lens.min() < 1:
         i = int(lens.argmin())
         raise InputError(f"sequence {i} has length {int(lens[i])}; every sequence needs at least one token")
     total = int(lens.sum(dtype=np.int64))
     if total != ids.size:
         raise InputError(f"tokens.seq_lens add up to {total} tokens but tokens.ids holds {ids.size} (4 bytes per id); they must match")
-    if lens.max() > max_seq_len:
+    if bad_lens:
         i = int(lens.argmax())
         raise InputError(f"sequence {i} has {int(lens[i])} tokens; the model takes at most {max_seq_len}; truncate it before sending (the gateway's truncate=true)")
-    if ids.min() < 0 or ids.max() >= vocab_size:
+    if ids.view(np.uint32).max() >= vocab_size:  # ids is not empty: every sequence has a token
         pos = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
         starts = np.cumsum(lens, dtype=np.int64) - lens
         seq = int(np.searchsorted(starts, pos, side="right")) - 1
