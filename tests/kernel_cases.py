@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from florist.kernels import activation, norms, rotary, skinny_gemm
+from florist.kernels import activation, embeddings, norms, pooling, rotary, skinny_gemm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Kernel and reference round at the same steps; they differ by fp32 summation order and
@@ -246,6 +246,36 @@ def _skinny_gemm(dtype, m, n, k, *, bias=False, silu_mul=False, config=None, non
     return case
 
 
+def _segment_mean(dtype, lens, sqrt_len=False, nonfinite=False):
+    def case(g: Inputs, big: bool):
+        seq_lens = [n * (37 if big else 1) for n in lens]
+        t, h = sum(seq_lens), 384 if big else 200
+        hidden = g.randn(t + 3, h, dtype=dtype)[:t]  # rows past the batch exist but are not read
+        if nonfinite and t:
+            hidden[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+        cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32, device=g.device)
+        seq_ids = torch.repeat_interleave(torch.arange(len(seq_lens), device=g.device), torch.tensor(seq_lens, device=g.device)).to(torch.int32)
+        got = pooling.segment_mean_triton(hidden, cu, max(seq_lens, default=1), sqrt_len)
+        want = pooling.segment_mean_ref(hidden, seq_ids, cu, sqrt_len)
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=2e-5, atol=2e-5, equal_nan=True)
+
+    return case
+
+
+def _embed_layer_norm(dtype, h, with_types):
+    def case(g: Inputs, big: bool):
+        t, vocab, max_pos = (300 if big else 9), 50, 64
+        word, pos, types = g.randn(vocab, h, dtype=dtype), g.randn(max_pos, h, dtype=dtype), g.randn(2, h, dtype=dtype)
+        w, b = g.randn(h, dtype=dtype), g.randn(h, dtype=dtype)
+        ids = torch.randint(0, vocab, (t,), generator=g.gen).to(torch.int32).to(g.device)
+        positions = g.positions(t, max_pos)
+        type_ids = torch.randint(0, 2, (t,), generator=g.gen).to(torch.int32).to(g.device) if with_types else None
+        assert_matches(embeddings.embed_layer_norm_triton(ids, positions, type_ids, word, pos, types, w, b, EPS),
+                       embeddings.embed_layer_norm_ref(ids, positions, type_ids, word, pos, types, w, b, EPS))
+
+    return case
+
+
 def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
     cases: dict[str, Callable] = {}
     for (name, dtype), cols in itertools.product(DTYPES.items(), (7, 384, 1000, 1024)):
@@ -270,6 +300,13 @@ def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
     cases["rms_norm-bf16-fp32-weight"] = _rms_norm(torch.bfloat16, 384, weight_dtype=torch.float32)
     cases["qk_norm_rope-bf16-fp32-weight"] = _rotary(torch.bfloat16, 128, norm=True, weight_dtype=torch.float32)
     cases["empty-batch"] = _empty_batch
+    for name, dtype in DTYPES.items():
+        cases[f"segment_mean-{name}"] = _segment_mean(dtype, [3, 1, 40, 7])
+        cases[f"segment_mean-{name}-sqrt-len"] = _segment_mean(dtype, [5, 2], sqrt_len=True)
+        cases[f"segment_mean-{name}-empty-seqs"] = _segment_mean(dtype, [4, 0, 9, 0])  # a padded bucket's tail
+        cases[f"segment_mean-{name}-split-nan-inf"] = _segment_mean(dtype, [300, 2], nonfinite=True)  # > 256 tokens: atomics
+        cases[f"embed_layer_norm-{name}-H384"] = _embed_layer_norm(dtype, 384, with_types=True)
+        cases[f"embed_layer_norm-{name}-H100-no-types"] = _embed_layer_norm(dtype, 100, with_types=False)
     cfg = skinny_gemm.GemmConfig
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         cases[f"skinny_gemm-{name}-m1"] = _skinny_gemm(dtype, 1, 96, 160, config=cfg(16, 32, 64))

@@ -12,14 +12,10 @@ from torch import nn
 
 from florist.config import DenseConfig, PoolingMode
 from florist.engine.batch import RaggedBatch
+from florist.kernels.pooling import segment_mean
 from florist.layers.linear import ReplicatedLinear
 
 POOLING_ORDER: tuple[PoolingMode, ...] = ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")
-
-
-def _segment_sum(hidden: torch.Tensor, batch: RaggedBatch, num_seqs: int) -> torch.Tensor:
-    out = torch.zeros(num_seqs, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    return out.index_add_(0, batch.seq_ids.long(), hidden.float())
 
 
 def pool(hidden: torch.Tensor, batch: RaggedBatch, mode: PoolingMode) -> torch.Tensor:
@@ -30,11 +26,8 @@ def pool(hidden: torch.Tensor, batch: RaggedBatch, mode: PoolingMode) -> torch.T
         return hidden[cu[:-1].clamp(max=hidden.shape[0] - 1)].float()
     if mode == "lasttoken":
         return hidden[cu[1:] - 1].float()
-    lens = (cu[1:] - cu[:-1]).clamp(min=1).float().unsqueeze(1)
-    if mode == "mean":
-        return _segment_sum(hidden, batch, b + 1)[:b] / lens
-    if mode == "mean_sqrt_len":
-        return _segment_sum(hidden, batch, b + 1)[:b] / lens.sqrt()
+    if mode in ("mean", "mean_sqrt_len"):  # one kernel on CUDA (kernels/pooling.py)
+        return segment_mean(hidden, batch.seq_ids, batch.cu_seqlens, batch.max_seqlen, sqrt_len=mode == "mean_sqrt_len")
     if mode == "max":
         out = torch.full((b + 1, hidden.shape[1]), float("-inf"), dtype=torch.float32, device=hidden.device)
         idx = batch.seq_ids.long().unsqueeze(1).expand(-1, hidden.shape[1])

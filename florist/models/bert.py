@@ -11,6 +11,7 @@ from torch import nn
 
 from florist.config import ModelConfig
 from florist.engine.batch import RaggedBatch
+from florist.kernels.embeddings import embed_layer_norm
 from florist.layers.activation import ACTIVATIONS
 from florist.layers.attention import Attention, AttentionFn
 from florist.layers.embedding import VocabParallelEmbedding
@@ -28,12 +29,14 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.norm_eps)
 
     def forward(self, batch: RaggedBatch) -> torch.Tensor:
-        x = self.word_embeddings(batch.input_ids) + self.position_embeddings(batch.positions)
-        if batch.token_type_ids is not None:
-            x = x + self.token_type_embeddings(batch.token_type_ids)
-        else:
-            x = x + self.token_type_embeddings.weight[0]
-        return self.LayerNorm(x)
+        if self.word_embeddings.tp_size > 1:  # (BERT runs on one device; kept for completeness)
+            x = self.word_embeddings(batch.input_ids) + self.position_embeddings(batch.positions)
+            x = x + (self.token_type_embeddings(batch.token_type_ids) if batch.token_type_ids is not None else self.token_type_embeddings.weight[0])
+            return self.LayerNorm(x)
+        # Gathers, sums and LayerNorm in one kernel on CUDA (kernels/embeddings.py).
+        return embed_layer_norm(batch.input_ids, batch.positions, batch.token_type_ids, self.word_embeddings.weight,
+                                self.position_embeddings.weight, self.token_type_embeddings.weight,
+                                self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps)
 
 
 class BertLayer(nn.Module):

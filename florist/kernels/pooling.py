@@ -1,0 +1,89 @@
+"""Mean pooling over a ragged batch in one kernel: torch reference and a Triton kernel.
+
+    hidden [T, H], cu_seqlens [B+1]  ->  out [B, H] fp32,  out[b] = sum(hidden[cu[b]:cu[b+1]]) / n_b
+                                                           (n_b = max(length, 1); sqrt(n_b) for
+                                                            sentence-transformers' mean_sqrt_len)
+
+The torch path (zeros, cast, index_add, lengths, divide) is ~6 launches; at batch 1 on a small
+model each costs as much as a matrix product. The kernel is one launch:
+
+    grid (B, H / BLOCK_H, splits): program (b, h, s) sums tokens [cu[b] + s*SPAN, ...+SPAN) of
+    sequence b in columns h, scaled by 1 / n_b; with one split it stores, with more it adds
+    atomically into a zeroed output (splits = max_seqlen / SPAN, a host value: graph-safe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference below is the whole implementation
+    triton = None
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SPAN = 256  # tokens one program sums
+_BLOCK_T = 32
+_BLOCK_H = 128
+
+
+def segment_mean_ref(hidden: torch.Tensor, seq_ids: torch.Tensor, cu_seqlens: torch.Tensor, sqrt_len: bool = False) -> torch.Tensor:
+    """Tokens whose seq_id is >= B (padding) are ignored."""
+    b = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.long()
+    lens = (cu[1:] - cu[:-1]).clamp(min=1).float().unsqueeze(1)
+    sums = torch.zeros(b + 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    sums.index_add_(0, seq_ids.long().clamp(max=b), hidden.float())
+    return sums[:b] / (lens.sqrt() if sqrt_len else lens)
+
+
+def segment_mean(hidden: torch.Tensor, seq_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, sqrt_len: bool = False) -> torch.Tensor:
+    if triton is not None and hidden.is_cuda and hidden.dtype in _DTYPES and hidden.dim() == 2 and hidden.stride(1) == 1:
+        return segment_mean_triton(hidden, cu_seqlens, max_seqlen, sqrt_len)
+    return segment_mean_ref(hidden, seq_ids, cu_seqlens, sqrt_len)
+
+
+def segment_mean_triton(hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, sqrt_len: bool = False) -> torch.Tensor:
+    """`max_seqlen` must bound every sequence's length (RaggedBatch.max_seqlen does)."""
+    assert hidden.dim() == 2 and hidden.stride(1) == 1 and hidden.dtype in _DTYPES, f"unsupported hidden {hidden.dtype} {tuple(hidden.shape)}"
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.dim() == 1, "cu_seqlens: int32 [B+1]"
+    assert not hidden.is_cuda or hidden.device.index == torch.cuda.current_device(), (
+        f"tensors are on {hidden.device} but the current CUDA device is {torch.cuda.current_device()}"
+    )
+    b, h = cu_seqlens.shape[0] - 1, hidden.shape[1]
+    splits = max(1, triton.cdiv(max_seqlen, _SPAN))
+    out = (torch.zeros if splits > 1 else torch.empty)((b, h), dtype=torch.float32, device=hidden.device)
+    if b == 0 or h == 0:
+        return out
+    _segment_mean_kernel[(b, triton.cdiv(h, _BLOCK_H), splits)](
+        hidden, cu_seqlens, out, h, hidden.stride(0),
+        SPAN=_SPAN, BLOCK_T=_BLOCK_T, BLOCK_H=_BLOCK_H, ATOMIC=splits > 1, SQRT_LEN=sqrt_len, num_warps=4,
+    )
+    return out
+
+
+@_jit
+def _segment_mean_kernel(x_ptr, cu_ptr, out_ptr, H, stride_t,
+                         SPAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ATOMIC: tl.constexpr, SQRT_LEN: tl.constexpr):
+    seq, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_start = tl.load(cu_ptr + seq)
+    seq_end = tl.load(cu_ptr + seq + 1)
+    start = seq_start + split * SPAN
+    end = tl.minimum(seq_end, start + SPAN)
+    cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        tile = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask, other=0.0)
+        acc += tl.sum(tile.to(tl.float32), axis=0)
+    n = tl.maximum(seq_end - seq_start, 1).to(tl.float32)
+    scale = 1.0 / tl.sqrt(n) if SQRT_LEN else 1.0 / n
+    if ATOMIC:
+        tl.atomic_add(out_ptr + seq * H + cols, acc * scale, mask=col_ok)
+    else:
+        tl.store(out_ptr + seq * H + cols, acc * scale, mask=col_ok)
