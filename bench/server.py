@@ -1,10 +1,19 @@
 """The inference server against calling `engine.step()` directly, same model, same run.
 
-    (a) throughput: rounds of 100 x 512-token requests sent at once, through the server
-        (`florist engine-server` in a subprocess, the async client here) vs the same sequences
-        batched the same way (the server's scheduler) and run with step(), two batches in flight;
-    (b) latency: 128-token batch-1 requests one after another; p50 / p90 / p99 round trip vs a
-        direct step() + result copy.
+Throughput, embeddings/s. Direct runs the batches the server's scheduler forms (FCFS under
+--max-batch-tokens) with step(), two batches in flight, host batching included.
+    rounds         rounds of --requests single-sequence --tokens-token requests, each round sent
+                   at once and awaited as a whole: a barrier between rounds (the device idles
+                   while a round drains and the next arrives); direct runs one round's batches.
+    stream, 1 seq  the same requests as a continuous stream: --requests outstanding at all times
+                   (a new one sent as each finishes), --rounds x --requests of them; direct runs
+                   all of them as one FCFS queue.
+    stream, N seqs requests of --seqs-per-request sequences each (one Embed call), --stream-depth
+                   in flight, --stream-requests of them; direct as above.
+Latency: --latency-tokens batch-1 requests one after another, p50 / p90 / p99 round trip vs a
+direct step() + result copy, with two clients: a plain synchronous gRPC client (a channel and a
+unary stub, as a user writes it; it costs less per call than grpc.aio) and florist's grpc.aio
+InferenceClient (what the gateway uses). The client is not under test; both rows are printed.
 
 Outputs are checked before timing (cosine >= 0.999 against the embedded API). The server is run
 once per --spin-ms value (how long it polls a launched batch before waiting in a thread), so
@@ -75,7 +84,7 @@ class ServerProcess:
 
 # -- direct step() ------------------------------------------------------------------------------
 def fcfs_batches(seqs: list[np.ndarray], max_batch_tokens: int, max_batch_seqs: int) -> list[list[np.ndarray]]:
-    """The batches the server's scheduler forms when all requests are queued at once."""
+    """The batches the server's scheduler forms when all the sequences are queued at once."""
     s = Scheduler(max_batch_tokens, max_batch_seqs, max_pending_tokens=1 << 40)
     for k, x in enumerate(seqs):
         s.add(Request([len(x)], payload=k))
@@ -85,22 +94,33 @@ def fcfs_batches(seqs: list[np.ndarray], max_batch_tokens: int, max_batch_seqs: 
     return out
 
 
-def direct_throughput(engine, seqs, max_batch_tokens, max_batch_seqs, rounds: int) -> list[float]:
+def run_batches(engine, batches) -> float:
+    """Seconds to run `batches` with step(), two in flight, results copied to the host."""
     from florist.engine.batch import HostBatch
 
-    batches = fcfs_batches(seqs, max_batch_tokens, max_batch_seqs)
-    rates = []
-    for _ in range(rounds + 1):  # the first round warms up
-        t = time.perf_counter()
-        in_flight = []
-        for b in batches:
-            in_flight.append(engine.step(HostBatch.from_sequences(b)))
-            if len(in_flight) > 1:
-                in_flight.pop(0).numpy()
-        for lazy in in_flight:
-            lazy.numpy()
-        rates.append(len(seqs) / (time.perf_counter() - t))
-    return rates[1:]
+    t = time.perf_counter()
+    in_flight = []
+    for b in batches:
+        in_flight.append(engine.step(HostBatch.from_sequences(b)))
+        if len(in_flight) > 1:
+            in_flight.pop(0).numpy()
+    for lazy in in_flight:
+        lazy.numpy()
+    return time.perf_counter() - t
+
+
+def direct(engine, w, max_batch_tokens: int) -> dict:
+    """Direct rates of each throughput scenario and the batch-1 latency (the first run warms up)."""
+    def batches(seqs):
+        return fcfs_batches(seqs, max_batch_tokens, 256)
+
+    rounds, single, multi = batches(w.seqs), batches(w.seqs * w.rounds), batches([x for r in w.multi for x in r])
+    run_batches(engine, rounds)
+    out = {"rounds": [len(w.seqs) / run_batches(engine, rounds) for _ in range(w.rounds)],
+           "single": [len(w.seqs) * w.rounds / run_batches(engine, single)],
+           "multi": [w.seqs_per_request * len(w.multi) / run_batches(engine, multi)]}
+    out["latency"] = direct_latency(engine, w.latency_seq, w.latency_n, w.warmup)
+    return out
 
 
 def direct_latency(engine, seq: np.ndarray, n: int, warmup: int) -> list[float]:
@@ -116,28 +136,73 @@ def direct_latency(engine, seq: np.ndarray, n: int, warmup: int) -> list[float]:
 
 
 # -- through the server ---------------------------------------------------------------------------
-async def through_server(address: str, engine, seqs, latency_seq, rounds: int, latency_n: int, warmup: int) -> dict:
+def packed(seqs: list[np.ndarray]) -> tuple[bytes, bytes]:
+    """One request's tokens already in wire form, so the client's own cost stays small."""
+    return np.concatenate(seqs).tobytes(), np.asarray([len(x) for x in seqs], dtype="<i4").tobytes()
+
+
+def cosine_min(got: np.ndarray, want: np.ndarray) -> float:
+    return float(((got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))).min())
+
+
+async def stream(client, requests: list, depth: int) -> float:
+    """Seconds to serve `requests` with `depth` of them outstanding at all times."""
+    todo = iter(requests)
+
+    async def sender():
+        for request in todo:  # shared: each sender takes the next request when its last one is back
+            await client.embed(request)
+
+    t = time.perf_counter()
+    await asyncio.gather(*(sender() for _ in range(depth)))
+    return time.perf_counter() - t
+
+
+async def through_server(address: str, engine, w) -> dict:
     from florist.server.client import InferenceClient
 
     async with InferenceClient(address, timeout=600) as client:
         # Correctness first: the server's vectors against the embedded API's.
-        got = np.concatenate(await asyncio.gather(*(client.embed([s]) for s in seqs[:8])))
-        want = engine.embed([s.tolist() for s in seqs[:8]])
-        cosine = float(((got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))).min())
+        got = np.concatenate(await asyncio.gather(*(client.embed([s]) for s in w.seqs[:8])))
+        cosine = cosine_min(got, engine.embed([s.tolist() for s in w.seqs[:8]]))
+        cosine = min(cosine, cosine_min(await client.embed(packed(w.multi[0])), engine.embed([s.tolist() for s in w.multi[0]])))
         assert cosine >= 0.999, f"server output differs from the embedded API: min cosine {cosine:.6f}"
+        singles = [packed([s]) for s in w.seqs]
         rates = []
-        for r in range(rounds + 1):
+        for r in range(w.rounds + 1):  # the first round warms up
             t = time.perf_counter()
-            await asyncio.gather(*(client.embed([s]) for s in seqs))
+            await asyncio.gather(*(client.embed(x) for x in singles))
             if r:
-                rates.append(len(seqs) / (time.perf_counter() - t))
+                rates.append(len(singles) / (time.perf_counter() - t))
+        single = len(singles) * w.rounds / await stream(client, singles * w.rounds, len(singles))
+        multi_requests = [packed(r) for r in w.multi]
+        multi = w.seqs_per_request * len(multi_requests) / await stream(client, multi_requests, w.stream_depth)
         latencies = []
-        for k in range(warmup + latency_n):
+        for k in range(w.warmup + w.latency_n):
             t = time.perf_counter()
-            await client.embed([latency_seq])
-            if k >= warmup:
+            await client.embed([w.latency_seq])
+            if k >= w.warmup:
                 latencies.append((time.perf_counter() - t) * 1e3)
-    return {"cosine": cosine, "rates": rates, "latency": latencies}
+    return {"cosine": cosine, "rounds": rates, "single": [single], "multi": [multi], "latency_aio": latencies}
+
+
+def sync_latency(address: str, seq: np.ndarray, n: int, warmup: int) -> list[float]:
+    """Round trips with a plain synchronous gRPC client: a channel and a unary stub."""
+    import grpc
+
+    from florist.server import proto, wire
+    from florist.server.client import CHANNEL_OPTIONS
+
+    out = []
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        embed = proto.method_callables(channel)["Embed"]
+        for k in range(warmup + n):
+            t = time.perf_counter()
+            response = embed(proto.EmbedRequest(tokens=wire.encode_tokens([seq], proto.TokenBatch)), timeout=600)
+            wire.decode_matrix(response.embeddings)
+            if k >= warmup:
+                out.append((time.perf_counter() - t) * 1e3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,76 +211,92 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, a few requests: the code path only")
     p.add_argument("--device", default=None, help="default: cuda when present (cpu with --smoke)")
     p.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--requests", type=int, default=100)
-    p.add_argument("--tokens", type=int, default=512, help="tokens per throughput request")
+    p.add_argument("--requests", type=int, default=100, help="single-sequence requests per round, and outstanding in their stream")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per throughput sequence")
+    p.add_argument("--rounds", type=int, default=10, help="throughput rounds (after one warm-up round)")
+    p.add_argument("--seqs-per-request", type=int, default=100, help="sequences per request in the multi-sequence stream")
+    p.add_argument("--stream-requests", type=int, default=40, help="requests in the multi-sequence stream")
+    p.add_argument("--stream-depth", type=int, default=4, help="multi-sequence requests outstanding at all times")
     p.add_argument("--latency-tokens", type=int, default=128)
     p.add_argument("--latency-n", type=int, default=500)
-    p.add_argument("--rounds", type=int, default=10, help="throughput rounds (after one warm-up round)")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="default: the server's own default")
     p.add_argument("--spin-ms", default="2,0", help="comma-separated server --spin-ms values to compare")
-    args = p.parse_args(argv)
-    if args.smoke:
-        args.device = args.device or "cpu"
-        args.requests, args.tokens, args.latency_tokens = min(args.requests, 8), min(args.tokens, 64), min(args.latency_tokens, 32)
-        args.latency_n, args.rounds, args.spin_ms = min(args.latency_n, 10), min(args.rounds, 2), args.spin_ms.split(",")[0]
+    w = p.parse_args(argv)
+    if w.smoke:
+        w.device = w.device or "cpu"
+        w.requests, w.tokens, w.latency_tokens = min(w.requests, 8), min(w.tokens, 64), min(w.latency_tokens, 32)
+        w.latency_n, w.rounds, w.spin_ms = min(w.latency_n, 10), min(w.rounds, 2), w.spin_ms.split(",")[0]
+        w.seqs_per_request, w.stream_requests = min(w.seqs_per_request, 8), min(w.stream_requests, 6)
 
     import torch
 
     from florist import Engine
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = w.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
         torch.set_num_threads(1)  # the server process gets one thread too: a fair comparison
     with tempfile.TemporaryDirectory(prefix="florist-bench-server-") as tmp:
-        model = args.model
+        model = w.model
         if model is None:
             from geometries import make_model
 
-            geometry = "tiny-qwen3" if args.smoke else "qwen3-0.6b"
+            geometry = "tiny-qwen3" if w.smoke else "qwen3-0.6b"
             t = time.perf_counter()
             model = make_model(Path(tmp) / geometry, geometry, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
             print(f"built a random {geometry} in {time.perf_counter() - t:.1f} s", flush=True)
-        engine = Engine.from_pretrained(model, device=device, dtype=args.dtype)
+        engine = Engine.from_pretrained(model, device=device, dtype=w.dtype)
         info = engine.info
         # The server's default budget, so direct step() and the server run the same batches.
-        args.max_batch_tokens = args.max_batch_tokens or engine.graph_max_tokens or 16384
+        w.max_batch_tokens = w.max_batch_tokens or engine.graph_max_tokens or 16384
         rng = np.random.default_rng(0)
-        seqs = [rng.integers(0, info.vocab_size, size=args.tokens, dtype=np.int32) for _ in range(args.requests)]
-        latency_seq = rng.integers(0, info.vocab_size, size=args.latency_tokens, dtype=np.int32)
-        warmup = 3 if args.smoke else 50
+        w.seqs = [rng.integers(0, info.vocab_size, size=w.tokens, dtype=np.int32) for _ in range(w.requests)]
+        w.multi = [[rng.integers(0, info.vocab_size, size=w.tokens, dtype=np.int32) for _ in range(w.seqs_per_request)] for _ in range(w.stream_requests)]
+        w.latency_seq = rng.integers(0, info.vocab_size, size=w.latency_tokens, dtype=np.int32)
+        w.warmup = 3 if w.smoke else 50
 
-        direct_rates = direct_throughput(engine, seqs, args.max_batch_tokens, 256, args.rounds)
-        direct_ms = direct_latency(engine, latency_seq, args.latency_n, warmup)
+        runs = [direct(engine, w, w.max_batch_tokens)]
         served = {}
-        for spin in [float(x) for x in args.spin_ms.split(",")]:
-            server = ServerProcess(model, device, args.dtype, args.max_batch_tokens, spin)
+        for spin in [float(x) for x in w.spin_ms.split(",")]:
+            server = ServerProcess(model, device, w.dtype, w.max_batch_tokens, spin)
             try:
-                served[spin] = asyncio.run(through_server(server.address, engine, seqs, latency_seq, args.rounds, args.latency_n, warmup))
+                served[spin] = asyncio.run(through_server(server.address, engine, w))
+                served[spin]["latency_sync"] = sync_latency(server.address, w.latency_seq, w.latency_n, w.warmup)
             finally:
                 server.stop()
         # Direct once more, after the servers: drift (clocks, other work) shows as a difference.
-        direct_rates += direct_throughput(engine, seqs, args.max_batch_tokens, 256, args.rounds)
-        direct_ms += direct_latency(engine, latency_seq, args.latency_n, warmup)
+        runs.append(direct(engine, w, w.max_batch_tokens))
+    d = {k: runs[0][k] + runs[1][k] for k in runs[0]}
+    report(info, w, d, served)
+    return 0
 
-    d_rate, d_lat = statistics.median(direct_rates), percentiles(direct_ms)
-    print(f"\n{info.model_name} ({info.family}, {info.device}, {info.dtype}); max_batch_tokens {args.max_batch_tokens}")
-    header = f"{'scenario':<44}{'direct step()':>14}"
+
+def report(info, w, d: dict, served: dict) -> None:
+    print(f"\n{info.model_name} ({info.family}, {info.device}, {info.dtype}); max_batch_tokens {w.max_batch_tokens}")
+    header = f"{'scenario':<66}{'direct step()':>14}"
     for spin in served:
         header += f"{f'server spin {spin:g} ms':>22}{'ratio':>8}"
     print(header)
-    row = f"{f'{args.requests} x {args.tokens} tokens, emb/s (median)':<44}{d_rate:>14.1f}"
-    for res in served.values():
-        rate = statistics.median(res["rates"])
-        row += f"{rate:>22.1f}{rate / d_rate:>8.3f}"
-    print(row)
-    for q in ("p50", "p90", "p99"):
-        row = f"{f'{args.latency_tokens}-token batch-1 round trip {q}, ms':<44}{d_lat[q]:>14.3f}"
+    n_single, n_multi = w.requests * w.rounds, w.stream_requests
+    for key, label in (
+        ("rounds", f"{w.requests} x {w.tokens} tokens, rounds sent at once, emb/s"),
+        ("single", f"{w.tokens}-token requests, stream of {n_single}, {w.requests} in flight, emb/s"),
+        ("multi", f"{w.seqs_per_request} x {w.tokens}-token requests, stream of {n_multi}, {w.stream_depth} in flight, emb/s"),
+    ):
+        rate = statistics.median(d[key])
+        row = f"{label:<66}{rate:>14.1f}"
         for res in served.values():
-            ms = percentiles(res["latency"])[q]
-            row += f"{f'{ms:.3f} ({ms - d_lat[q]:+.3f})':>22}{ms / d_lat[q]:>8.3f}"
+            r = statistics.median(res[key])
+            row += f"{r:>22.1f}{r / rate:>8.3f}"
         print(row)
+    d_lat = percentiles(d["latency"])
+    for key, client in (("latency_sync", "sync gRPC client"), ("latency_aio", "grpc.aio client")):
+        for q in ("p50", "p90", "p99"):
+            row = f"{f'{w.latency_tokens}-token batch-1 round trip {q}, ms, {client}':<66}{d_lat[q]:>14.3f}"
+            for res in served.values():
+                ms = percentiles(res[key])[q]
+                row += f"{f'{ms:.3f} ({ms - d_lat[q]:+.3f})':>22}{ms / d_lat[q]:>8.3f}"
+            print(row)
     print("min cosine, server vs embedded API: " + ", ".join(f"{r['cosine']:.6f}" for r in served.values()))
-    return 0
 
 
 if __name__ == "__main__":

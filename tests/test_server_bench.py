@@ -1,5 +1,5 @@
-"""bench/server.py --smoke: the benchmark's code path (model build, server process, both
-measurements, the table) on a tiny model on the CPU."""
+"""bench/server.py --smoke: the benchmark's code path (model build, server process, every
+scenario, the table) on a tiny model on the CPU."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_server_bench_smoke():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "server.py"), "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "8 x 64 tokens, emb/s" in out.stdout and "32-token batch-1 round trip p99" in out.stdout
+    for row in ("8 x 64 tokens, rounds sent at once, emb/s", "64-token requests, stream of 16, 8 in flight, emb/s",
+                "8 x 64-token requests, stream of 6, 4 in flight, emb/s", "32-token batch-1 round trip p99, ms, sync gRPC client",
+                "32-token batch-1 round trip p99, ms, grpc.aio client"):
+        assert row in out.stdout, (row, out.stdout[-3000:])
     cosine = re.search(r"min cosine, server vs embedded API: ([0-9.]+)", out.stdout)
     assert cosine and float(cosine.group(1)) >= 0.999
