@@ -1,7 +1,9 @@
 """Greedy generation: florist against Hugging Face transformers' `generate` on the same random
 weights, in one process (issue 7).
 
-    batch 1:   decode ms per token (time for 1 + N new tokens minus time for 1, over N), target <= 0.8 ms
+    batch 1:   decode ms per token (time for 1 + N new tokens minus time for 1, over N), target <= 0.8 ms;
+               pipelined decode (the default: step N+1 launched before step N's ids are read) and
+               step by step (host and device serial), to show what the overlap buys
     batch 32:  tokens/s for 32 prompts x P tokens, N new tokens each (prefill included)
 
 Before timing, fidelity is checked by teacher forcing: transformers runs once over prompt +
@@ -107,6 +109,13 @@ def run(path: Path, *, name: str, dtype: torch.dtype, device: str, prompt_len: i
         hf_ms = (hn - h1) / hf_decode_tokens * 1e3
     record(f"{name} batch 1 decode ({prompt_len}-token prompt)", "ms/token", ms_per_token, hf_ms, "ms", {"prefill_ms": t_prefill * 1e3})
     record(f"{name} batch 1 prefill ({prompt_len} tokens + 1)", "ms", t_prefill * 1e3, None, "ms")
+    generator = engine.runner
+    if generator.pipelined:  # the same engine, each step waiting for the previous one's ids
+        generator.pipelined = False
+        gen(decode_tokens + 1)
+        serial_ms = (timed(lambda: gen(decode_tokens + 1), repeats) - timed(lambda: gen(1), repeats)) / decode_tokens * 1e3
+        generator.pipelined = True
+        record(f"{name} batch 1 decode, not pipelined", "ms/token", serial_ms, None, "ms")
 
     # -- batch N: tokens/s -------------------------------------------------------------------
     prompts = [rng.integers(0, vocab, size=prompt_len).tolist() for _ in range(batch)]

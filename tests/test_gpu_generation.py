@@ -1,6 +1,7 @@
 """Generation on the GPU (skipped without CUDA): decode graph replay equals eager, bit for bit;
-whole runs through the graphs agree with transformers (fp32: the same tokens; bf16: every token
-is transformers' argmax up to bf16 rounding)."""
+pipelined decode (inputs advanced on the device, step N+1 launched before step N is read) equals
+host packing bit for bit; whole runs through the graphs agree with transformers (fp32: the same
+tokens; bf16: every token is transformers' argmax up to bf16 rounding)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 import florist
 from florist.engine.generation.batch import pack_decode
 from florist.engine.generation.config import GenerationConfig
+from florist.engine.generation.runner import ADVANCE
 
 from test_generation import NEW_TOKENS, make_causal_lm, prompts_for, reference
+from test_generation_pipeline import run_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -37,11 +40,100 @@ def test_decode_graph_replay_equals_eager(lm_dir, dtype):
         eager = runner._decode_forward(torch.from_numpy(packed).cuda(), rows, runner.max_len).clone()
     real_slots = slice(0, runner.scratch_slot)  # padding rows all write the scratch slot, in any order
     cache_eager = runner.cache.data[:, :, real_slots].clone()
-    outs = [runner.decode(packed).clone() for _ in range(3)]  # first sight (eager, padded), capture, replay
+    outs = [runner.decode(packed, len(seqs)).clone() for _ in range(3)]  # first sight (eager, padded), capture, replay
     assert rows in runner.graphs.graphs
     for out in outs:
         assert torch.equal(out[: len(seqs)], eager[: len(seqs)])
     assert torch.equal(runner.cache.data[:, :, real_slots], cache_eager)  # the same k/v rewritten
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_decode_next_advances_on_the_device_like_host_packing(lm_dir, dtype):
+    """decode_next (the pipelined step: ids and positions advanced in place in the graph's static
+    input) computes what eager decode computes from host-packed inputs, bit for bit, k/v included."""
+    engine = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype=dtype, generation=GenerationConfig(max_num_seqs=8, max_model_len=256))
+    gen, runner = engine.runner, engine.runner.runner
+    for p in prompts_for(lm_dir, (3, 17, 40, 9, 64)):
+        gen.submit(p, NEW_TOKENS)
+    gen.step()  # prefill all five
+    seqs = list(gen.scheduler.running)
+    b, rows, scratch = len(seqs), runner.decode_rows(len(seqs)), runner.scratch_slot
+    tokens, positions, slots = [s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs], [s.slot for s in seqs]
+    steps = 6  # eager first sight, then capture and replays: all but the first advanced on the device
+    advanced = [runner.decode(pack_decode(tokens, positions, slots, rows, scratch), b)[:b].clone()]
+    for _ in range(steps - 1):
+        advanced.append(runner.decode_next(b)[:b].clone())
+    assert rows in runner.graphs.graphs
+    cache_advanced = runner.cache.data[:, :, :scratch].clone()
+    fed = tokens
+    for i in range(steps):
+        packed = pack_decode(fed, [p + i for p in positions], slots, rows, scratch)
+        with torch.inference_mode():
+            eager = runner._decode_forward(torch.from_numpy(packed).cuda(), rows, runner.max_len)
+        assert torch.equal(eager[:b], advanced[i]), f"step {i}"
+        fed = advanced[i].tolist()
+    assert torch.equal(runner.cache.data[:, :, :scratch], cache_advanced)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_pipelined_runs_equal_step_by_step_runs(lm_dir, dtype):
+    """The same batch (equal budgets: the batch never changes mid-run) pipelined and step by step,
+    twice each (the second run replays captured graphs): identical tokens, bf16 included."""
+    outputs = {}
+    for pipelined in (True, False):
+        engine = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype=dtype,
+                                                generation=GenerationConfig(max_num_seqs=8, max_model_len=128, pipelined_decode=pipelined))
+        kinds = log_kinds(engine.runner)
+        for _ in range(2):
+            outputs[pipelined] = [r.token_ids for r in engine.generate(prompts_for(lm_dir), max_tokens=NEW_TOKENS)]
+        assert (kinds.count(ADVANCE) >= NEW_TOKENS) == pipelined
+        assert engine.runner.runner.graphs.graphs
+    assert outputs[True] == outputs[False]
+
+
+def test_fp32_pipelined_with_stops_joins_and_aborts_equal_transformers(lm_dir):
+    """CUDA graphs, pipelined: sequences stop at stop ids mid-run (the token computed after the stop
+    is dropped; its k/v went to the sequence's own slot, which the next prompt then takes), others
+    join from a queue and one is aborted; every output is transformers' up to its end."""
+    engine = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype="fp32", generation=GenerationConfig(max_num_seqs=3, max_model_len=128))
+    gen = engine.runner
+    kinds = log_kinds(gen)
+    prompts = prompts_for(lm_dir, (7, 1, 30, 12, 45, 3, 20), seed=3)
+    expected = reference(lm_dir, prompts)
+    firsts = [t for e in expected[:3] for j, t in enumerate(e) if 5 <= j < 16 and e.index(t) == j]  # first appearances
+    stops = sorted({firsts[0], firsts[-1]})
+    seqs = {}
+
+    def submit(ids):
+        def event(g):
+            for i in ids:
+                seqs[i] = g.submit(prompts[i], NEW_TOKENS, stops)
+        return event
+
+    def abort(g):
+        g.abort(seqs[5])
+
+    run_steps(gen, {0: submit([0, 1, 2, 3, 4]), 10: submit([5, 6]), 24: abort})
+    for i, s in seqs.items():
+        k = next((j for j, t in enumerate(expected[i]) if t in stops), None)
+        want = expected[i] if k is None else expected[i][: k + 1]
+        if s.finish_reason == "abort":
+            assert i == 5 and s.output == want[: len(s.output)]
+        else:
+            assert s.output == want, f"sequence {i}"
+    assert kinds.count(ADVANCE) > NEW_TOKENS
+    assert gen.scheduler.free_slots == 3 and not gen.has_work
+
+
+def log_kinds(gen) -> list[int]:
+    kinds, execute = [], gen.runner.execute
+
+    def logged(kind, *args):
+        kinds.append(kind)
+        return execute(kind, *args)
+
+    gen.runner.execute = logged
+    return kinds
 
 
 def test_fp32_graphs_equal_transformers_with_continuous_batching(lm_dir):
@@ -84,11 +176,19 @@ def test_tensor_parallel_two_gpus_over_nccl(lm_dir):
     """Rank 0 here, rank 1 spawned; decode graphs capture the NCCL all-reduces."""
     engine = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype="fp32", tensor_parallel_size=2,
                                             generation=GenerationConfig(max_num_seqs=8, max_model_len=128))
+    kinds = log_kinds(engine.runner)
     try:
         prompts = prompts_for(lm_dir, (1, 9, 33))
         for _ in range(2):
             results = engine.generate(prompts, max_tokens=NEW_TOKENS)
         assert [r.token_ids for r in results] == reference(lm_dir, prompts)
+        assert kinds.count(ADVANCE) > NEW_TOKENS  # pipelined steps: every rank advanced its own buffer
+        # A stop id mid-run: ranks follow the leave (and the dropped token) in lockstep.
+        expected = reference(lm_dir, prompts)
+        stop = expected[1][8]
+        k = [next((i for i, t in enumerate(e) if t == stop), None) for e in expected]
+        results = engine.generate(prompts, max_tokens=NEW_TOKENS, stop_token_ids=[stop])
+        assert [r.token_ids for r in results] == [e if j is None else e[: j + 1] for e, j in zip(expected, k)]
     finally:
         engine.close()
     assert np.all([not p.is_alive() for p in engine.runner.tp.procs])

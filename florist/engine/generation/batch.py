@@ -11,6 +11,10 @@ Decode buffers are padded to a batch-size bucket. Padding rows use the scratch s
 last one, never given to a sequence) at position 0, so they write only scratch k/v, attend only to
 it, and their outputs are sliced off: harmless by construction. Everything else a decode step
 needs (context lengths, cache offsets) is computed from these on the device, inside the graph.
+
+A pipelined decode step (generator.py) is not packed on the host: `advance_decode` rewrites the
+previous decode step's buffer on the device, in place (each sequence's new token, one position
+later; slots and padding rows unchanged), so the host never needs the ids it feeds.
 """
 
 from __future__ import annotations
@@ -83,3 +87,15 @@ def decode_batch(packed: torch.Tensor, num_rows: int, max_len: int, max_context_
         slot_mapping=slots[:-1].long() * max_len + positions.long(),
         slots=slots[:-1].long(), context_lens=positions + 1, cache_starts=slots * max_len, max_context_len=max_context_len,
     )
+
+
+def advance_decode(packed: torch.Tensor, next_ids: torch.Tensor, num_rows: int, num_seqs: int) -> None:
+    """In place on the device: the decode buffer that produced `next_ids` becomes the next step's.
+
+        ids[:B] <- next_ids[:B]      positions[:B] += 1      slots, padding rows: unchanged
+
+    Padding rows keep scratch slot, position 0 (adding 1 there would walk them out of the slot).
+    Queued on the current stream after the step that wrote `next_ids`: no host sync.
+    """
+    packed[:num_seqs].copy_(next_ids[:num_seqs])
+    packed[num_rows : num_rows + num_seqs].add_(1)

@@ -21,6 +21,9 @@ class GenerationConfig:
     max_model_len: int | None = None  # None: the model's limit, at most DEFAULT_MAX_MODEL_LEN
     max_prefill_tokens: int = 8192  # prompt tokens per prefill step (one longer prompt runs alone)
     cuda_graphs: bool = True  # decode steps from CUDA graphs (CUDA only)
+    # Launch decode step N+1 before reading step N's ids while the running set stays the same
+    # (generator.py); False: every step waits for the previous one's ids on the host.
+    pipelined_decode: bool = True
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1 or self.max_num_seqs < 1 or self.max_prefill_tokens < 1:

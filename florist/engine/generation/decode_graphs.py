@@ -4,14 +4,16 @@
 
     first sight of a bucket  -> run eagerly on the padded batch (warms kernels and allocators)
     second sight             -> capture a graph into the shared memory pool, then replay it
-    later                    -> copy the packed inputs into the static buffer, replay
+    later                    -> inputs into the static buffer (unless already there), replay
 
 A graph's whole static state is one `_DecodeGraph`: the packed int32 input it reads (ids |
 positions | slots, see generation/batch.py) and the next-token ids it writes. Everything between
 (embedding, layers, cache writes, attention over the cache, LM head, greedy pick) is captured;
-padding rows use the scratch slot, so they are harmless by construction. Under tensor
-parallelism every rank sees the same steps, so every rank captures the same bucket at the same
-step and the captured collectives line up.
+padding rows use the scratch slot, so they are harmless by construction. The runner copies a
+host-packed step straight into `static_input` (`static_input(rows)`), and a pipelined step
+advances `static_input` in place from `next_tokens` (batch.advance_decode) before the replay, so
+neither costs a device-to-device copy. Under tensor parallelism every rank sees the same steps,
+so every rank captures the same bucket at the same step and the captured collectives line up.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
 # (packed int32 inputs on the device, rows, max_context_len) -> next ids int64 [rows]
@@ -55,26 +56,31 @@ class DecodeGraphRunner:
                 return size
         raise ValueError(f"{num_seqs} sequences exceed the largest decode bucket {self.buckets[-1]}")
 
-    def run(self, packed: np.ndarray) -> torch.Tensor:
-        """Next ids [rows] on the device for a buffer packed to a bucket's rows; not waited on."""
-        rows = (packed.shape[0] - 1) // 3
-        if rows not in self.buckets:
-            raise ValueError(f"a decode buffer of {rows} rows is not padded to a bucket ({self.buckets})")
-        host = torch.from_numpy(packed).pin_memory()
+    def static_input(self, rows: int) -> torch.Tensor | None:
+        """The captured graph's input buffer for `rows`, or None before its capture."""
+        entry = self.graphs.get(rows)
+        return None if entry is None else entry.static_input
+
+    def run(self, inputs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next ids [rows], the input buffer the step read) for packed int32 inputs already on the
+        device, padded to a bucket's rows; not waited on. The buffer returned is where the next
+        pipelined step is advanced in place: the graph's static input once captured."""
+        if rows not in self.buckets or inputs.shape[0] != 3 * rows + 1:
+            raise ValueError(f"a decode buffer of {inputs.shape[0]} values is not padded to a bucket ({self.buckets})")
         entry = self.graphs.get(rows)
         if entry is None and rows in self.seen:
-            entry = self._capture(rows, host)
+            entry = self._capture(rows, inputs)
         if entry is None:
             self.seen.add(rows)
             # max_context_len = max_len: the same shapes the graph will have.
-            return self.forward(host.to(self.device, non_blocking=True), rows, self.max_len)
-        entry.static_input.copy_(host, non_blocking=True)
+            return self.forward(inputs, rows, self.max_len), inputs
+        if inputs is not entry.static_input:
+            entry.static_input.copy_(inputs)
         entry.graph.replay()
-        return entry.next_tokens
+        return entry.next_tokens, entry.static_input
 
-    def _capture(self, rows: int, host: torch.Tensor) -> _DecodeGraph:
-        static = torch.empty(host.shape, dtype=torch.int32, device=self.device)
-        static.copy_(host)
+    def _capture(self, rows: int, inputs: torch.Tensor) -> _DecodeGraph:
+        static = inputs.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             next_tokens = self.forward(static, rows, self.max_len)

@@ -5,8 +5,33 @@
 
 `submit` and `abort` may be called from any thread; they take effect at the next step boundary.
 `step` runs one step at a time (a lock), from the caller's thread (`generate`) or the server's
-generation thread. Each step waits for its next ids on the host: greedy decoding needs them to
-decide who stops, and they are the next step's input.
+generation thread. Greedy decoding needs each step's ids on the host (who stops?), and they are
+the next step's input; waiting for them before launching the next step would leave the device
+idle during all host work (scheduling, packing, copies, launch, the wake-up after the sync).
+
+Pipelined decode (vLLM's "async scheduling"). While the running set stays the same, step N+1 is
+launched before step N's ids are read: its inputs are step N's, advanced on the device from step
+N's next ids (runner.decode_next), so the host needs nothing from step N to launch it. One step
+is in flight between calls of `step()`:
+
+    host    launch N | launch N+1 | read N, update | launch N+2 | read N+1, update | ...
+    device  ...[ step N         ][ step N+1        ][ step N+2        ][ ...
+                                   └ one step() call: returns step N's sequences, leaves N+1 in flight
+
+Invariant: when `step()` returns, at most one step is in flight, launched for sequences that were
+all running when it was launched. Reading it (the next call) drops the token of any sequence that
+the step before finished (a stop id, max_tokens) or that was aborted since, so outputs are the
+step-by-step ones. The dropped step wrote k/v only into that sequence's own slot, at position
+num_tokens < max_model_len (prompt + max_tokens <= max_model_len). The slot is handed out again
+only by `schedule()`, which runs once that step was read (after `fail_all`, which drops it unread,
+the new prefill is queued behind it on the same stream); a prefill writes from position 0 and
+decodes mask every row past a sequence's length. Joins, leaves, aborts and prefills flush the
+pipeline: the step in flight is read, then steps go one at a time until a decode over an
+unchanged set comes again (scheduler.next_decode decides). At TP > 1 rank 0 broadcasts an
+ADVANCE step (no payload) and every rank advances its own copy of the same buffer from the same
+next ids, so the ranks stay in lockstep. On the CPU the same calls run synchronously (step N+1 is
+computed before N is read). `pipelined_decode=False` (GenerationConfig) reads every step before
+launching the next.
 """
 
 from __future__ import annotations
@@ -14,6 +39,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Iterable, Sequence as Seq
 
 import numpy as np
@@ -21,8 +47,9 @@ import torch
 
 from florist.engine.generation.batch import pack_decode, pack_prefill
 from florist.engine.generation.config import GenerationConfig
-from florist.engine.generation.runner import DECODE, PREFILL, GenerationRunner
-from florist.engine.generation.scheduler import GenerationScheduler, Sequence, Step
+from florist.engine.generation.runner import ADVANCE, DECODE, PREFILL, GenerationRunner
+from florist.engine.generation.scheduler import RUNNING, GenerationScheduler, Sequence, Step
+from florist.engine.generation.staging import PendingTokens
 from florist.engine.model_dir import ModelDir
 from florist.text import InputError
 
@@ -36,6 +63,14 @@ def eos_token_ids(model_dir: ModelDir) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset(int(t) for t in (eos if isinstance(eos, list) else [eos]))
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose next ids are on their way to the host."""
+
+    step: Step
+    tokens: PendingTokens
 
 
 class Generator:
@@ -63,6 +98,8 @@ class Generator:
         self.scheduler = GenerationScheduler(config.max_num_seqs, self.max_len, config.max_prefill_tokens)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self.pipelined = config.pipelined_decode
+        self._in_flight: _InFlight | None = None  # the step launched last and not yet read
 
     # -- requests (any thread) -------------------------------------------------------------------
     def submit(self, prompt: Seq[int], max_tokens: int, stop_token_ids: Iterable[int] = (), *, ignore_eos: bool = False, payload=None) -> Sequence:
@@ -87,26 +124,38 @@ class Generator:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or not self._inbox.empty()
+        return self._in_flight is not None or self.scheduler.has_work or not self._inbox.empty()
 
     # -- stepping (one thread at a time) ---------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one step; returns the sequences that got a new token (finished ones included)."""
+        """Read one step's next ids (launching it first when none is in flight, and launching the
+        following decode before reading when the pipeline allows); returns the sequences that got
+        a new token (finished ones included), each once."""
         with self._lock:
             self._drain_inbox()
-            step = self.scheduler.schedule()
-            if step is None:
-                return []
-            kind, packed, num_tokens = self._pack(step)
-            if self.tp is not None:
-                self.tp.send(kind, packed, num_tokens, len(step.seqs))
-            next_ids = self.runner.execute(kind, packed, num_tokens, len(step.seqs))
-            self.scheduler.update(step, next_ids[: len(step.seqs)].tolist())
-            return step.seqs
+            current, self._in_flight = self._in_flight, None
+            try:
+                if current is None:
+                    step = self.scheduler.schedule()
+                    if step is None:
+                        return []
+                    current = self._launch(step)
+                if self.pipelined and self._inbox.empty():
+                    following = self.scheduler.next_decode(current.step)
+                    if following is not None:
+                        self._in_flight = self._launch(following, advance=True)
+                tokens = current.tokens.tolist()  # waits for `current` only, not the step behind it
+            except BaseException:
+                self._in_flight = None  # a failed step leaves nothing to read (fail_all follows)
+                raise
+            stepped = [s for s in current.step.seqs if s.status == RUNNING]
+            self.scheduler.update(current.step, tokens)
+            return stepped
 
     def fail_all(self) -> list[Sequence]:
         """Abort every queued and running sequence (after a failed step); returns them."""
         with self._lock:
+            self._in_flight = None  # its tokens would go to sequences aborted here
             self._drain_inbox()
             seqs = [*self.scheduler.running, *self.scheduler.waiting]
             for seq in seqs:
@@ -132,13 +181,23 @@ class Generator:
             else:
                 self.scheduler.abort(seq)
 
-    def _pack(self, step: Step) -> tuple[int, np.ndarray, int]:
-        if step.kind == "prefill":
-            return PREFILL, pack_prefill([s.prompt for s in step.seqs], [s.slot for s in step.seqs], self.max_len), step.num_tokens
-        seqs = step.seqs
-        rows = self.runner.decode_rows(len(seqs))
-        packed = pack_decode([s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs], [s.slot for s in seqs], rows, self.runner.scratch_slot)
-        return DECODE, packed, rows
+    def _launch(self, step: Step, advance: bool = False) -> _InFlight:
+        """Every rank runs the step; its next ids start on their way to rank 0's host."""
+        num_seqs = len(step.seqs)
+        if advance:
+            kind, packed, num_tokens = ADVANCE, None, 0
+        elif step.kind == "prefill":
+            kind, num_tokens = PREFILL, step.num_tokens
+            packed = pack_prefill([s.prompt for s in step.seqs], [s.slot for s in step.seqs], self.max_len)
+        else:
+            kind, num_tokens = DECODE, self.runner.decode_rows(num_seqs)
+            seqs = step.seqs
+            packed = pack_decode([s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs], [s.slot for s in seqs], num_tokens,
+                                 self.runner.scratch_slot)
+        if self.tp is not None:
+            self.tp.send(kind, packed, num_tokens, num_seqs)
+        next_ids = self.runner.execute(kind, packed, num_tokens, num_seqs)
+        return _InFlight(step, self.runner.read_back(next_ids, num_seqs))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at TP = 1)."""

@@ -3,26 +3,48 @@
 Every rank runs the same calls on the same packed inputs (rank 0 broadcasts them, tp.py), so
 every rank writes the same cache slots and computes the same next ids; only rank 0 reads them.
 
-    prefill(packed, T, B) -> next ids [B]      eager: whole prompts, ragged
-    decode(packed)        -> next ids [rows]   CUDA graph per bucket when on CUDA, else eager
+    prefill(packed, T, B)  -> next ids [B]      eager: whole prompts, ragged
+    decode(packed, B)      -> next ids [rows]   CUDA graph per bucket when on CUDA, else eager
+    decode_next(B)         -> next ids [rows]   the same rows again, inputs advanced on the device
+                                                from the last decode's next ids (pipelined decode)
+    read_back(ids, B)      -> PendingTokens     async copy to pinned memory + event (rank 0 only)
+
+Nothing here waits for the device: inputs go through a reused pinned buffer (staging.py) and the
+host reads next ids only through `read_back`. `decode_next` is how rank 0 launches step N+1
+before it has read step N's ids (generator.py); every rank holds the same last decode buffer and
+next ids, so the ranks advance identically and stay in lockstep.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from florist.engine.generation.batch import decode_batch, prefill_batch, prefill_seq_lens
+from florist.engine.generation.batch import advance_decode, decode_batch, prefill_batch, prefill_seq_lens
 from florist.engine.generation.config import GenerationConfig
 from florist.engine.generation.decode_graphs import DecodeGraphRunner
 from florist.engine.generation.kv_cache import KVCache, KVCacheSpec
+from florist.engine.generation.staging import InputStaging, PendingTokens, TokenReadback
 from florist.engine.loader import check_complete, iter_tensors, load_weights, safetensors_files
 from florist.engine.model_dir import ModelDir
 from florist.layers.attention import select_backend
 from florist.layers.cached_attention import select_decode_backend
 from florist.models.qwen3_causal_lm import Qwen3ForCausalLM
 
-PREFILL, DECODE = 1, 2  # step kinds (also on the wire between ranks)
+PREFILL, DECODE, ADVANCE = 1, 2, 3  # step kinds (also on the wire between ranks); ADVANCE = decode_next
+
+
+@dataclass
+class _LastDecode:
+    """The last decode step launched: where decode_next advances from."""
+
+    inputs: torch.Tensor  # int32 [3 * rows + 1] on the device (a graph's static input once captured)
+    next_ids: torch.Tensor  # int64 [rows] on the device, written by that step
+    rows: int
+    num_seqs: int
+    max_context_len: int  # host bound on the step's context lengths (sizes the eager torch path)
 
 
 class GenerationRunner:
@@ -49,6 +71,8 @@ class GenerationRunner:
         self.graphs: DecodeGraphRunner | None = None
         if device.type == "cuda" and config.cuda_graphs:
             self.graphs = DecodeGraphRunner(self._decode_forward, device, max_num_seqs=config.max_num_seqs, max_len=max_len)
+        self.staging, self.readback = InputStaging(device), TokenReadback(device)
+        self._last_decode: _LastDecode | None = None
 
     def _load(self, model_dir: ModelDir) -> None:
         loaded = load_weights(self.model, iter_tensors(safetensors_files(model_dir.path)), self.model.weight_map)
@@ -64,31 +88,52 @@ class GenerationRunner:
         """Rows a decode buffer for `num_seqs` sequences is padded to (its graph bucket)."""
         return self.graphs.bucket(num_seqs) if self.graphs is not None else num_seqs
 
-    def _to_device(self, packed: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(packed)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
-
     @torch.inference_mode()
     def prefill(self, packed: np.ndarray, num_tokens: int, num_seqs: int) -> torch.Tensor:
+        self._last_decode = None  # the next decode is packed on the host
         seq_lens = prefill_seq_lens(packed, num_tokens, num_seqs)
-        return self.model(prefill_batch(self._to_device(packed), num_tokens, num_seqs, seq_lens))
+        return self.model(prefill_batch(self.staging.to_device(packed), num_tokens, num_seqs, seq_lens))
 
     @torch.inference_mode()
-    def decode(self, packed: np.ndarray) -> torch.Tensor:
-        if self.graphs is not None:
-            return self.graphs.run(packed)
+    def decode(self, packed: np.ndarray, num_seqs: int) -> torch.Tensor:
+        """A decode step packed on the host (batch.pack_decode), padded to `decode_rows(num_seqs)`."""
         rows = (packed.shape[0] - 1) // 3
-        max_context_len = int(packed[rows : 2 * rows].max()) + 1  # host bound: no device read
-        return self._decode_forward(self._to_device(packed), rows, max_context_len)
+        max_context_len = int(packed[rows : rows + num_seqs].max()) + 1  # host bound: no device read
+        static = self.graphs.static_input(rows) if self.graphs is not None else None
+        return self._run_decode(self.staging.to_device(packed, out=static), rows, num_seqs, max_context_len)
+
+    @torch.inference_mode()
+    def decode_next(self, num_seqs: int) -> torch.Tensor:
+        """The decode step after the last one, over the same sequences (and rows): its inputs are
+        that step's, advanced on the device (batch.advance_decode). No host data, no host wait."""
+        last = self._last_decode
+        if last is None or last.num_seqs != num_seqs:
+            have = "no decode step" if last is None else f"a decode step of {last.num_seqs} sequences"
+            raise RuntimeError(f"decode_next for {num_seqs} sequences follows {have}; the scheduler should have packed this step")
+        advance_decode(last.inputs, last.next_ids, last.rows, num_seqs)
+        return self._run_decode(last.inputs, last.rows, num_seqs, last.max_context_len + 1)
+
+    def _run_decode(self, inputs: torch.Tensor, rows: int, num_seqs: int, max_context_len: int) -> torch.Tensor:
+        if self.graphs is not None:
+            next_ids, inputs = self.graphs.run(inputs, rows)
+        else:
+            next_ids = self._decode_forward(inputs, rows, max_context_len)
+        self._last_decode = _LastDecode(inputs, next_ids, rows, num_seqs, max_context_len)
+        return next_ids
 
     def _decode_forward(self, packed: torch.Tensor, rows: int, max_context_len: int) -> torch.Tensor:
         return self.model(decode_batch(packed, rows, self.max_len, max_context_len))
 
-    def execute(self, kind: int, packed: np.ndarray, num_tokens: int, num_seqs: int) -> torch.Tensor:
+    def execute(self, kind: int, packed: np.ndarray | None, num_tokens: int, num_seqs: int) -> torch.Tensor:
+        """One step on this rank (rank 0 and the tensor-parallel workers make the same calls)."""
+        if kind == ADVANCE:
+            return self.decode_next(num_seqs)
+        if kind == DECODE:
+            return self.decode(packed, num_seqs)
         if kind == PREFILL:
             return self.prefill(packed, num_tokens, num_seqs)
-        if kind == DECODE:
-            return self.decode(packed)
         raise ValueError(f"unknown step kind {kind}")
+
+    def read_back(self, next_ids: torch.Tensor, num_seqs: int) -> PendingTokens:
+        """The first `num_seqs` next ids on their way to the host; queue it right after the step."""
+        return self.readback.start(next_ids, num_seqs)

@@ -10,6 +10,16 @@ and leave only between steps (continuous batching):
                  else running             -> decode of every running sequence
     update(step, tokens): one new token per sequence of the step; a sequence stops at a stop id
                  (EOS or the caller's), or when it has max_tokens new tokens.
+    next_decode(step): the decode step to launch *before* `step`'s tokens are known (pipelined
+                 decode, generator.py), or None when the next step must wait for them.
+
+Pipelined decode. `version` counts changes of the running set (admission, finish, abort). While
+it stays the same and no prefill is due, the decode after a decode step may be launched before
+that step's tokens are known, over the same sequences. A sequence the first step finishes (stop
+id, max_tokens) does not take the second step's token: `update` skips sequences that are no
+longer running. So outputs equal the step-by-step ones and never pass max_tokens. Exactly one
+step is unread when next_decode runs, hence its test `len(output) + 2 <= max_tokens`: some
+sequence can use the token after the unread one.
 
 Positions and cache layout: a sequence of n tokens (prompt + output) holds k/v of tokens
 0 .. n-2 in its slot; the decode step feeds token n-1 at position n-1 and attends to n tokens.
@@ -18,6 +28,7 @@ Positions and cache layout: a sequence of n tokens (prompt + output) holds k/v o
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -66,6 +77,7 @@ class Step:
     kind: StepKind
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0  # tokens the model runs: whole prompts (prefill) or one per sequence
+    version: int = 0  # the scheduler's running-set version when the step was made
 
 
 class GenerationScheduler:
@@ -75,8 +87,9 @@ class GenerationScheduler:
         self.num_slots, self.max_model_len, self.max_prefill_tokens = num_slots, max_model_len, max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # Lowest slot first: a small batch keeps its k/v in a small part of the cache.
-        self._free_slots = list(range(num_slots - 1, -1, -1))
+        # A min-heap, lowest slot first: a small batch keeps its k/v in a small part of the cache.
+        self._free_slots = list(range(num_slots))
+        self.version = 0  # + 1 whenever `running` changes (see the module docstring)
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -101,6 +114,7 @@ class GenerationScheduler:
         elif seq.status == RUNNING:
             self.running.remove(seq)
             self._release(seq)
+            self.version += 1
         else:
             return False
         seq.status, seq.finish_reason = FINISHED, "abort"
@@ -123,38 +137,56 @@ class GenerationScheduler:
                 if step.seqs and step.num_tokens + len(seq.prompt) > self.max_prefill_tokens:
                     break  # a prompt over the whole budget still runs, alone
                 self.waiting.popleft()
-                seq.slot, seq.status = self._free_slots.pop(), RUNNING
+                seq.slot, seq.status = heapq.heappop(self._free_slots), RUNNING
                 self.running.append(seq)
                 step.seqs.append(seq)
                 step.num_tokens += len(seq.prompt)
+            self.version += 1
+            step.version = self.version
             return step
         if self.running:
-            return Step("decode", list(self.running), len(self.running))
+            return Step("decode", list(self.running), len(self.running), self.version)
         return None
 
+    def next_decode(self, step: Step) -> Step | None:
+        """The decode step after `step`, launched before `step`'s tokens are read: over the same
+        sequences, when `step` is a decode, nobody joined or left since it was made, no prefill
+        is due (a sequence waiting for a slot that `step` frees is admitted one step later), and
+        some sequence has room for a token after `step`'s."""
+        if step.kind != "decode" or step.version != self.version or (self.waiting and self._free_slots):
+            return None
+        for seq in step.seqs:
+            if len(seq.output) + 2 <= seq.max_tokens:
+                return Step("decode", step.seqs, step.num_tokens, self.version)
+        return None  # every sequence ends with `step` at the latest: the token would be dropped
+
     def update(self, step: Step, tokens: Seq[int]) -> list[Sequence]:
-        """Append each sequence's new token; returns the sequences that finished (slots freed).
-        Sequences aborted while the step ran are skipped."""
+        """Append each sequence's new token (Python ints); returns the sequences that finished
+        (slots freed). Sequences no longer running (aborted while the step ran, or finished by the
+        step before a pipelined one) are skipped: their token is dropped."""
         if len(tokens) != len(step.seqs):
             raise ValueError(f"{len(tokens)} tokens for a step of {len(step.seqs)} sequences")
         finished = []
         for seq, token in zip(step.seqs, tokens):
             if seq.status != RUNNING:
                 continue
-            seq.output.append(int(token))
+            output = seq.output
+            output.append(token)
             if token in seq.stop_token_ids:
                 seq.finish_reason = "stop"
-            elif len(seq.output) >= seq.max_tokens:
+            elif len(output) >= seq.max_tokens:
                 seq.finish_reason = "length"
             else:
                 continue
             seq.status = FINISHED
-            self.running.remove(seq)
-            self._release(seq)
             finished.append(seq)
+        if finished:
+            self.running[:] = [seq for seq in self.running if seq.status == RUNNING]
+            for seq in finished:
+                self._release(seq)
+            self.version += 1
         return finished
 
     def _release(self, seq: Sequence) -> None:
-        self._free_slots.append(seq.slot)
-        self._free_slots.sort(reverse=True)
+        heapq.heappush(self._free_slots, seq.slot)
         seq.slot = None

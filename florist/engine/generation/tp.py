@@ -11,6 +11,9 @@
 
 The step inputs are the packed int32 buffers of generation/batch.py (token ids, positions, slots),
 so every rank runs the same step; the model's collectives then keep the ranks' activations equal.
+A pipelined decode step (generator.py) is a header alone, kind ADVANCE: each rank advances its
+own last decode buffer from its own next ids, which are the same on every rank (the greedy pick
+is computed from gathered values), so the ranks still run identical steps in the same order.
 NOTE: one tensor-parallel engine per process (torch.distributed has one default group).
 """
 
@@ -46,10 +49,11 @@ class StepChannel:
     def __init__(self):
         self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
         self.header = torch.zeros(_HEADER, dtype=torch.int32)
+        self._header_np = self.header.numpy()
 
     def send(self, kind: int, packed: np.ndarray | None, num_tokens: int = 0, num_seqs: int = 0) -> None:
         size = 0 if packed is None else packed.size
-        self.header.copy_(torch.tensor([kind, size, num_tokens, num_seqs], dtype=torch.int32))
+        self._header_np[:] = (kind, size, num_tokens, num_seqs)
         dist.broadcast(self.header, src=0, group=self.group)
         if size:
             dist.broadcast(torch.from_numpy(np.ascontiguousarray(packed, dtype=np.int32)), src=0, group=self.group)

@@ -1,0 +1,99 @@
+"""Host <-> device traffic of generation steps through pinned buffers reused every step.
+
+    step inputs  packed int32 (numpy) ──memcpy──▶ pinned buffer ──async copy──▶ device buffer
+    next ids     device int64 [rows] ──async copy──▶ pinned ring buffer ──event──▶ host list
+
+No step allocates pinned memory (`pin_memory()` per step costs more than a batch-1 decode step's
+host work). Reuse is guarded by CUDA events, so a pinned buffer is rewritten only after the copy
+that read it (inputs), or after the host read it (next ids):
+
+    InputStaging    one buffer; before refilling it, wait for the event recorded after the last
+                    copy out of it (that copy preceded the step whose ids the host has since read,
+                    so the wait returns at once)
+    TokenReadback   a ring of two: pipelined decode has at most two steps unread, the one being
+                    read and the one launched just before reading it (generator.py); a buffer is
+                    reused two reads later
+
+On the CPU there is nothing to copy and nothing to wait for: packed inputs are used in place and
+next ids are read as they are, so the same calls run the same logic synchronously.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class InputStaging:
+    """Packed int32 step inputs -> the device, through one reused pinned buffer."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pinned: torch.Tensor | None = None
+        self._pinned_np: np.ndarray | None = None
+        self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of _pinned
+
+    def to_device(self, packed: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`packed` on the device (into `out` when given, e.g. a CUDA graph's static input); the
+        copy is queued on the current stream, not waited on."""
+        if self.device.type != "cuda":
+            src = torch.from_numpy(packed)
+            return src if out is None else out.copy_(src)
+        n = packed.size
+        if self._pinned is None or self._pinned.numel() < n:
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._pinned = torch.empty(max(n, 2 * (0 if self._pinned is None else self._pinned.numel())), dtype=torch.int32, pin_memory=True)
+            self._pinned_np = self._pinned.numpy()
+            self._copied = torch.cuda.Event()
+        else:
+            self._copied.synchronize()  # NOTE: host wait; returns at once (see the module docstring)
+        self._pinned_np[:n] = packed
+        if out is None:
+            out = torch.empty(n, dtype=torch.int32, device=self.device)
+        out.copy_(self._pinned[:n], non_blocking=True)
+        self._copied.record()
+        return out
+
+
+class PendingTokens:
+    """Next ids of a launched step: `tolist()` waits for that step only (its event), not for
+    the steps launched after it."""
+
+    __slots__ = ("_host", "_event")
+
+    def __init__(self, host: torch.Tensor, event: "torch.cuda.Event | None"):
+        self._host, self._event = host, event
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def tolist(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+class TokenReadback:
+    """Device next ids -> host, queued right after the step that writes them (see the module
+    docstring for why a ring of two suffices)."""
+
+    RING = 2
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None] * self.RING
+        self._events = [torch.cuda.Event() for _ in range(self.RING)] if device.type == "cuda" else []
+        self._next = 0
+
+    def start(self, ids: torch.Tensor, num_seqs: int) -> PendingTokens:
+        if ids.device.type != "cuda":
+            return PendingTokens(ids[:num_seqs], None)
+        i, self._next = self._next, (self._next + 1) % self.RING
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < num_seqs:
+            buf = self._buffers[i] = torch.empty(max(num_seqs, 8), dtype=ids.dtype, pin_memory=True)
+        host = buf[:num_seqs]
+        host.copy_(ids[:num_seqs], non_blocking=True)
+        self._events[i].record()
+        return PendingTokens(host, self._events[i])
