@@ -109,10 +109,10 @@ def run_batches(engine, batches) -> float:
     return time.perf_counter() - t
 
 
-def direct(engine, w, max_batch_tokens: int) -> dict:
+def direct(engine, w) -> dict:
     """Direct rates of each throughput scenario and the batch-1 latency (the first run warms up)."""
     def batches(seqs):
-        return fcfs_batches(seqs, max_batch_tokens, 256)
+        return fcfs_batches(seqs, w.max_batch_tokens, 256)  # 256: the server's max_batch_seqs
 
     rounds, single, multi = batches(w.seqs), batches(w.seqs * w.rounds), batches([x for r in w.multi for x in r])
     run_batches(engine, rounds)
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         w.latency_seq = rng.integers(0, info.vocab_size, size=w.latency_tokens, dtype=np.int32)
         w.warmup = 3 if w.smoke else 50
 
-        runs = [direct(engine, w, w.max_batch_tokens)]
+        runs = [direct(engine, w)]
         served = {}
         for spin in [float(x) for x in w.spin_ms.split(",")]:
             server = ServerProcess(model, device, w.dtype, w.max_batch_tokens, spin)
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 server.stop()
         # Direct once more, after the servers: drift (clocks, other work) shows as a difference.
-        runs.append(direct(engine, w, w.max_batch_tokens))
+        runs.append(direct(engine, w))
     d = {k: runs[0][k] + runs[1][k] for k in runs[0]}
     report(info, w, d, served)
     return 0
