@@ -297,6 +297,13 @@ def report(info, w, d: dict, served: dict) -> None:
                 row += f"{f'{ms:.3f} ({ms - d_lat[q]:+.3f})':>22}{ms / d_lat[q]:>8.3f}"
             print(row)
     print("min cosine, server vs embedded API: " + ", ".join(f"{r['cosine']:.6f}" for r in served.values()))
+    # A stream keeps the server's batches full (the direct side's) only if enough sequences are
+    # outstanding: two batches in flight and the next one queued.
+    full = min(256, max(1, w.max_batch_tokens // w.tokens))
+    for outstanding, what in ((w.requests, "single-sequence stream"), (w.stream_depth * w.seqs_per_request, "multi-sequence stream")):
+        if outstanding < 3 * full:
+            print(f"note: the {what} keeps {outstanding} sequences outstanding, under 3 full batches ({3 * full}); "
+                  "the server's batches are smaller than direct's there")
 
 
 if __name__ == "__main__":
