@@ -170,19 +170,3 @@ def test_public_ops_capture_in_cuda_graph():
     graph.replay()
     for a, e in zip(outs, forward(fresh)):
         assert torch.equal(a, e)
-
-
-def test_pdl_launch_args():
-    """Programmatic dependent launch only for CUDA tensors on a capable device (never on CPU);
-    the kernels take the PDL flag either way."""
-    from florist.kernels import pdl
-
-    assert pdl.launch_args(torch.zeros(1)) == {"PDL": False}
-    if CUDA and torch.cuda.get_device_capability() >= (9, 0) and pdl.gdc_wait is not None and pdl.ENABLED:
-        assert pdl.launch_args(torch.zeros(1, device="cuda")) == {"PDL": True, "launch_pdl": True}
-
-
-def test_pdl_can_be_switched_off():
-    code = "import torch; from florist.kernels import pdl; assert not pdl.ENABLED; print(pdl.launch_args(torch.zeros(1)))"
-    proc = subprocess.run([sys.executable, "-c", code], env=_subprocess_env(FLORIST_PDL="0"), cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "False" in proc.stdout, proc.stderr[-2000:]

@@ -19,9 +19,6 @@ try:
 except ImportError:  # CPU-only installs: the reference below is the whole implementation
     triton = None
 
-from florist.kernels import pdl  # noqa: E402
-from florist.kernels.pdl import pdl_prologue  # noqa: E402
-
 # NOTE: without triton the kernel below is a plain (never called) function; the annotations are
 # strings (`from __future__ import annotations`), which triton.jit reads as constexpr markers.
 _jit = triton.jit if triton is not None else (lambda fn: fn)
@@ -55,13 +52,12 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(_BLOCK, triton.next_power_of_2(inter))
     # Tokens on grid axis 0: axis 1 is limited to 65535 programs, axis 0 to 2**31 - 1.
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), inter, BLOCK=block, num_warps=4, **pdl.launch_args(x))
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), inter, BLOCK=block, num_warps=4)
     return out
 
 
 @_jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter

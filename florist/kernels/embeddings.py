@@ -19,9 +19,6 @@ try:
 except ImportError:  # CPU-only installs: the reference below is the whole implementation
     triton = None
 
-from florist.kernels import pdl  # noqa: E402
-from florist.kernels.pdl import pdl_prologue  # noqa: E402
-
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -59,15 +56,14 @@ def embed_layer_norm_triton(ids, positions, type_ids, word, pos, types, weight, 
     num_warps = min(16, max(1, block_rows * block_cols // 256))
     _embed_layer_norm_kernel[(triton.cdiv(num_tokens, block_rows),)](
         ids, positions, type_ids if type_ids is not None else ids, word, pos, types, weight, bias, out, num_tokens, h, eps,
-        HAS_TYPES=type_ids is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps, **pdl.launch_args(word)
+        HAS_TYPES=type_ids is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
     )
     return out
 
 
 @_jit
 def _embed_layer_norm_kernel(ids_ptr, pos_ids_ptr, type_ids_ptr, word_ptr, pos_ptr, types_ptr, w_ptr, b_ptr, out_ptr, num_tokens, H, eps,
-                             HAS_TYPES: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
+                             HAS_TYPES: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     row_ok, col_ok = rows < num_tokens, cols < H

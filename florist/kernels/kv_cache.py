@@ -20,9 +20,6 @@ try:
 except ImportError:  # CPU-only installs: the reference below is the whole implementation
     triton = None
 
-from florist.kernels import pdl  # noqa: E402
-from florist.kernels.pdl import pdl_prologue  # noqa: E402
-
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_ROW = 16384  # Hkv * D values held in registers per program
@@ -72,13 +69,12 @@ def store_kv_triton(k, v, k_cache_flat, v_cache_flat, slot_mapping) -> None:
         return
     block = triton.next_power_of_2(row)
     _store_kv_kernel[(num_tokens,)](k, v, k_cache_flat, v_cache_flat, slot_mapping, k.stride(0), v.stride(0),
-                                    ROW=row, BLOCK=block, num_warps=4 if block >= 1024 else 1, **pdl.launch_args(k))
+                                    ROW=row, BLOCK=block, num_warps=4 if block >= 1024 else 1)
 
 
 @_jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_token_stride, v_token_stride,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
+                     ROW: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     row = tl.load(slot_ptr + t)  # int64: rows * ROW may pass 2^31
     offs = tl.arange(0, BLOCK)

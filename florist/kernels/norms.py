@@ -28,9 +28,6 @@ try:
 except ImportError:  # CPU-only installs: the references below are the whole implementation
     triton = None
 
-from florist.kernels import pdl  # noqa: E402
-from florist.kernels.pdl import pdl_prologue  # noqa: E402
-
 # NOTE: without triton the kernels below are plain (never called) functions; the annotations are
 # strings (`from __future__ import annotations`), which triton.jit reads as constexpr markers.
 _jit = triton.jit if triton is not None else (lambda fn: fn)
@@ -125,7 +122,7 @@ def add_layer_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight
     _layer_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         x, res, weight, bias, out,
         num_rows, num_heads, *_row_strides(x), *_row_strides(res), n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps, **pdl.launch_args(x)
+        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
     )
     return out
 
@@ -143,7 +140,7 @@ def _launch_rms_norm(x, residual, weight, eps):
     _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         x, res, weight, out, out if summed is None else summed,
         num_rows, num_heads, *_row_strides(x), *_row_strides(res), n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps, **pdl.launch_args(x)
+        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
     )
     return out, summed
 
@@ -206,8 +203,7 @@ def _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh
 @_jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
                      num_rows, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     col_ok = cols < n_cols
@@ -228,8 +224,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
 @_jit
 def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr,
                        num_rows, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
-                       HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
+                       HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     col_ok = cols < n_cols

@@ -22,9 +22,6 @@ try:
 except ImportError:  # CPU-only installs: the reference below is the whole implementation
     triton = None
 
-from florist.kernels import pdl  # noqa: E402
-from florist.kernels.pdl import pdl_prologue  # noqa: E402
-
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,15 +60,14 @@ def segment_mean_triton(hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seql
         return out
     _segment_mean_kernel[(b, triton.cdiv(h, _BLOCK_H), splits)](
         hidden, cu_seqlens, out, h, hidden.stride(0),
-        SPAN=_SPAN, BLOCK_T=_BLOCK_T, BLOCK_H=_BLOCK_H, ATOMIC=splits > 1, SQRT_LEN=sqrt_len, num_warps=4, **pdl.launch_args(hidden)
+        SPAN=_SPAN, BLOCK_T=_BLOCK_T, BLOCK_H=_BLOCK_H, ATOMIC=splits > 1, SQRT_LEN=sqrt_len, num_warps=4,
     )
     return out
 
 
 @_jit
 def _segment_mean_kernel(x_ptr, cu_ptr, out_ptr, H, stride_t,
-                         SPAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ATOMIC: tl.constexpr, SQRT_LEN: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
+                         SPAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ATOMIC: tl.constexpr, SQRT_LEN: tl.constexpr):
     seq, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_start = tl.load(cu_ptr + seq)
     seq_end = tl.load(cu_ptr + seq + 1)

@@ -27,9 +27,6 @@ try:
 except ImportError:  # CPU-only installs: the references below are the whole implementation
     triton = None
 
-from florist.kernels import pdl  # noqa: E402
-from florist.kernels.pdl import pdl_prologue  # noqa: E402
-
 # NOTE: without triton the kernels below are plain (never called) functions; the annotations are
 # strings (`from __future__ import annotations`), which triton.jit reads as constexpr markers.
 _jit = triton.jit if triton is not None else (lambda fn: fn)
@@ -145,7 +142,7 @@ def _launch(q, k, q_weight, k_weight, eps, positions, cache):
     _rope_kernel[(num_tokens,)](
         q, k, q_out, k_out, positions, cache, q_weight if norm else cache, k_weight if norm else cache,
         num_q_heads, num_k_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cache.stride(0), head_dim // 2, eps,
-        NORM=norm, BLOCK_Q_HEADS=block_q, BLOCK_K_HEADS=block_k, BLOCK_HALF=block_half, num_warps=num_warps, **pdl.launch_args(q)
+        NORM=norm, BLOCK_Q_HEADS=block_q, BLOCK_K_HEADS=block_k, BLOCK_HALF=block_half, num_warps=num_warps,
     )
     return q_out, k_out
 
@@ -185,8 +182,7 @@ def _rope_heads(x_ptr, out_ptr, w_ptr, token, num_heads, stride_t, stride_h, cos
 @_jit
 def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_ptr,
                  num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, half_dim, eps,
-                 NORM: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
+                 NORM: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
     token = tl.program_id(0)
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < half_dim

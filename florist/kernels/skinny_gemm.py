@@ -39,9 +39,6 @@ try:
 except ImportError:  # CPU-only installs: the reference below is the whole implementation
     triton = None
 
-from florist.kernels import pdl  # noqa: E402
-from florist.kernels.pdl import pdl_prologue  # noqa: E402
-
 # NOTE: without triton the kernels below are plain (never called) functions; the annotations are
 # strings (`from __future__ import annotations`), which triton.jit reads as constexpr markers.
 _jit = triton.jit if triton is not None else (lambda fn: fn)
@@ -146,7 +143,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             x, weight, bias if bias is not None else out, out, m, n_out, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
             0, 0, n_out if silu_mul else 0,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=False, HAS_BIAS=bias is not None,
-            SILU_MUL=silu_mul, EVEN_K=k % c.block_k == 0, num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_args(x)
+            SILU_MUL=silu_mul, EVEN_K=k % c.block_k == 0, num_warps=c.num_warps, num_stages=c.num_stages,
         )
         return out
     partial = torch.empty((split_k, m, n_out), dtype=torch.float32, device=x.device)
@@ -154,12 +151,12 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         x, weight, out, partial, m, n_out, k, x.stride(0), weight.stride(0), n_out, k_per_split,
         partial.stride(0), 0, 0,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=True, HAS_BIAS=False,
-        SILU_MUL=False, EVEN_K=k % c.block_k == 0, num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_args(x)
+        SILU_MUL=False, EVEN_K=k % c.block_k == 0, num_warps=c.num_warps, num_stages=c.num_stages,
     )
     block = 1024
     _reduce_kernel[(triton.cdiv(m * n_out, block),)](
         partial, bias if bias is not None else out, out, m * n_out, n_out, partial.stride(0),
-        SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl.launch_args(x)
+        SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
     )
     return out
 
@@ -168,8 +165,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
                  stride_split, unused, up_offset,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -216,8 +212,7 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
 
 
 @_jit
-def _reduce_kernel(partial_ptr, b_ptr, out_ptr, numel, N, stride_split, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
+def _reduce_kernel(partial_ptr, b_ptr, out_ptr, numel, N, stride_split, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
