@@ -13,7 +13,8 @@ Throughput, embeddings/s. Direct runs the batches the server's scheduler forms (
 Latency: --latency-tokens batch-1 requests one after another, p50 / p90 / p99 round trip vs a
 direct step() + result copy, with two clients: a plain synchronous gRPC client (a channel and a
 unary stub, as a user writes it; it costs less per call than grpc.aio) and florist's grpc.aio
-InferenceClient (what the gateway uses). The client is not under test; both rows are printed.
+InferenceClient (what the gateway uses). The client is not under test; both rows are printed,
+and a Health round trip with each (it never touches the engine) shows the gRPC floor.
 
 Outputs are checked before timing (cosine >= 0.999 against the embedded API). The server is run
 once per --spin-ms value (how long it polls a launched batch before waiting in a thread), so
@@ -126,13 +127,7 @@ def direct(engine, w) -> dict:
 def direct_latency(engine, seq: np.ndarray, n: int, warmup: int) -> list[float]:
     from florist.engine.batch import HostBatch
 
-    out = []
-    for k in range(warmup + n):
-        t = time.perf_counter()
-        engine.step(HostBatch.from_sequences([seq])).numpy()
-        if k >= warmup:
-            out.append((time.perf_counter() - t) * 1e3)
-    return out
+    return times_ms(lambda: engine.step(HostBatch.from_sequences([seq])).numpy(), n, warmup)
 
 
 # -- through the server ---------------------------------------------------------------------------
@@ -177,32 +172,47 @@ async def through_server(address: str, engine, w) -> dict:
         single = len(singles) * w.rounds / await stream(client, singles * w.rounds, len(singles))
         multi_requests = [packed(r) for r in w.multi]
         multi = w.seqs_per_request * len(multi_requests) / await stream(client, multi_requests, w.stream_depth)
-        latencies = []
-        for k in range(w.warmup + w.latency_n):
-            t = time.perf_counter()
-            await client.embed([w.latency_seq])
-            if k >= w.warmup:
-                latencies.append((time.perf_counter() - t) * 1e3)
-    return {"cosine": cosine, "rounds": rates, "single": [single], "multi": [multi], "latency_aio": latencies}
+        latency = await atimes_ms(lambda: client.embed([w.latency_seq]), w.latency_n, w.warmup)
+        health = await atimes_ms(client.health, w.latency_n, w.warmup)
+    return {"cosine": cosine, "rounds": rates, "single": [single], "multi": [multi], "latency_aio": latency, "health_aio": health}
 
 
-def sync_latency(address: str, seq: np.ndarray, n: int, warmup: int) -> list[float]:
+def times_ms(call, n: int, warmup: int) -> list[float]:
+    out = []
+    for k in range(warmup + n):
+        t = time.perf_counter()
+        call()
+        if k >= warmup:
+            out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+async def atimes_ms(call, n: int, warmup: int) -> list[float]:
+    out = []
+    for k in range(warmup + n):
+        t = time.perf_counter()
+        await call()
+        if k >= warmup:
+            out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def sync_client_latency(address: str, w) -> dict:
     """Round trips with a plain synchronous gRPC client: a channel and a unary stub."""
     import grpc
 
     from florist.server import proto, wire
     from florist.server.client import CHANNEL_OPTIONS
 
-    out = []
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        embed = proto.method_callables(channel)["Embed"]
-        for k in range(warmup + n):
-            t = time.perf_counter()
-            response = embed(proto.EmbedRequest(tokens=wire.encode_tokens([seq], proto.TokenBatch)), timeout=600)
+        rpc = proto.method_callables(channel)
+
+        def embed():
+            response = rpc["Embed"](proto.EmbedRequest(tokens=wire.encode_tokens([w.latency_seq], proto.TokenBatch)), timeout=600)
             wire.decode_matrix(response.embeddings)
-            if k >= warmup:
-                out.append((time.perf_counter() - t) * 1e3)
-    return out
+
+        return {"latency_sync": times_ms(embed, w.latency_n, w.warmup),
+                "health_sync": times_ms(lambda: rpc["Health"](proto.HealthRequest(), timeout=600), w.latency_n, w.warmup)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             server = ServerProcess(model, device, w.dtype, w.max_batch_tokens, spin)
             try:
                 served[spin] = asyncio.run(through_server(server.address, engine, w))
-                served[spin]["latency_sync"] = sync_latency(server.address, w.latency_seq, w.latency_n, w.warmup)
+                served[spin].update(sync_client_latency(server.address, w))
             finally:
                 server.stop()
         # Direct once more, after the servers: drift (clocks, other work) shows as a difference.
@@ -296,6 +306,11 @@ def report(info, w, d: dict, served: dict) -> None:
                 ms = percentiles(res[key])[q]
                 row += f"{f'{ms:.3f} ({ms - d_lat[q]:+.3f})':>22}{ms / d_lat[q]:>8.3f}"
             print(row)
+    for key, client in (("health_sync", "sync gRPC client"), ("health_aio", "grpc.aio client")):
+        row = f"{f'Health round trip p50, ms, {client} (the gRPC floor)':<66}{'-':>14}"
+        for res in served.values():
+            row += f"{percentiles(res[key])['p50']:>22.3f}{'':>8}"
+        print(row)
     print("min cosine, server vs embedded API: " + ", ".join(f"{r['cosine']:.6f}" for r in served.values()))
     # A stream keeps the server's batches full (the direct side's) only if enough sequences are
     # outstanding: two batches in flight and the next one queued.
