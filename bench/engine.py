@@ -230,8 +230,10 @@ def main():
         if want("qwen3"):
             engine = run_geometry("qwen3-0.6b causal", qwen, dtype=torch.bfloat16, device=device, pooling="lasttoken", bidirectional=False,
                                   latency_lens=[128, 512, 4096], batches=[("100 x 512", [512] * 100), ("100 x U(32..512)", ragged)], args=args)
-        else:
+        elif want("profile") or want("stream") or want("threshold") or want("breakdown"):
             engine = Engine.from_pretrained(qwen, device=device)
+        else:
+            engine = None
         if want("profile"):
             profile(engine, "qwen3-0.6b", [[128], [512] * 100])
         if want("breakdown"):

@@ -25,7 +25,7 @@ except ImportError:  # CPU-only installs: the reference below is the whole imple
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_SPAN = 256  # tokens one program sums
+_SPAN = 256  # most tokens one program sums (fewer for short batches)
 _BLOCK_T = 32
 _BLOCK_H = 128
 
@@ -54,13 +54,14 @@ def segment_mean_triton(hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seql
         f"tensors are on {hidden.device} but the current CUDA device is {torch.cuda.current_device()}"
     )
     b, h = cu_seqlens.shape[0] - 1, hidden.shape[1]
-    splits = max(1, triton.cdiv(max_seqlen, _SPAN))
+    span = min(_SPAN, max(_BLOCK_T, triton.next_power_of_2(max_seqlen)))  # tokens per program
+    splits = max(1, triton.cdiv(max_seqlen, span))
     out = (torch.zeros if splits > 1 else torch.empty)((b, h), dtype=torch.float32, device=hidden.device)
     if b == 0 or h == 0:
         return out
     _segment_mean_kernel[(b, triton.cdiv(h, _BLOCK_H), splits)](
         hidden, cu_seqlens, out, h, hidden.stride(0),
-        SPAN=_SPAN, BLOCK_T=_BLOCK_T, BLOCK_H=_BLOCK_H, ATOMIC=splits > 1, SQRT_LEN=sqrt_len, num_warps=4,
+        SPAN=span, BLOCK_T=_BLOCK_T, BLOCK_H=_BLOCK_H, ATOMIC=splits > 1, SQRT_LEN=sqrt_len, num_warps=4,
     )
     return out
 
@@ -76,8 +77,8 @@ def _segment_mean_kernel(x_ptr, cu_ptr, out_ptr, H, stride_t,
     cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for t0 in range(start, end, BLOCK_T):
-        rows = t0 + tl.arange(0, BLOCK_T)
+    for t0 in range(0, SPAN, BLOCK_T):  # a fixed trip count; rows past the sequence are masked
+        rows = start + t0 + tl.arange(0, BLOCK_T)
         mask = (rows < end)[:, None] & col_ok[None, :]
         tile = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask, other=0.0)
         acc += tl.sum(tile.to(tl.float32), axis=0)

@@ -140,18 +140,18 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     grid = (triton.cdiv(n_out, c.block_n), split_k, triton.cdiv(m, c.block_m))
     if split_k == 1:
         _gemm_kernel[grid](
-            x, weight, bias if bias is not None else out, out, m, n_out, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
+            x, weight, bias if bias is not None else out, out, m, n_out, k, x.stride(0), weight.stride(0), out.stride(0),
             0, 0, n_out if silu_mul else 0,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=False, HAS_BIAS=bias is not None,
-            SILU_MUL=silu_mul, EVEN_K=k % c.block_k == 0, num_warps=c.num_warps, num_stages=c.num_stages,
+            K_PER_SPLIT=k_per_split, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=False, HAS_BIAS=bias is not None,
+            SILU_MUL=silu_mul, EVEN_K=k_per_split * split_k == k, num_warps=c.num_warps, num_stages=c.num_stages,
         )
         return out
     partial = torch.empty((split_k, m, n_out), dtype=torch.float32, device=x.device)
     _gemm_kernel[grid](
-        x, weight, out, partial, m, n_out, k, x.stride(0), weight.stride(0), n_out, k_per_split,
+        x, weight, out, partial, m, n_out, k, x.stride(0), weight.stride(0), n_out,
         partial.stride(0), 0, 0,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=True, HAS_BIAS=False,
-        SILU_MUL=False, EVEN_K=k % c.block_k == 0, num_warps=c.num_warps, num_stages=c.num_stages,
+        K_PER_SPLIT=k_per_split, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=True, HAS_BIAS=False,
+        SILU_MUL=False, EVEN_K=k_per_split * split_k == k, num_warps=c.num_warps, num_stages=c.num_stages,
     )
     block = 1024
     _reduce_kernel[(triton.cdiv(m * n_out, block),)](
@@ -162,9 +162,9 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 @_jit
-def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
+def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  stride_split, unused, up_offset,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+                 K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -175,18 +175,18 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
     # unmasked along M/N, which keeps them vectorised.
     rm_safe = tl.where(m_ok, rm, 0).to(tl.int64)
     rn_safe = tl.where(n_ok, rn, 0).to(tl.int64)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    k_start = pid_k * K_PER_SPLIT
     x_ptrs = x_ptr + rm_safe[:, None] * stride_xm + (k_start + rk)[None, :]
     w_ptrs = w_ptr + rn_safe[None, :] * stride_wn + (k_start + rk)[:, None]  # [BLOCK_K, BLOCK_N] view of w.T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
+    # A fixed trip count (K_PER_SPLIT is a whole number of blocks); the last slice is masked at K.
+    for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
         else:
-            k_ok = (k + rk) < k_end
+            k_ok = (k_start + k + rk) < K
             x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(x, w, acc)
