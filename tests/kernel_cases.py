@@ -224,7 +224,7 @@ def _empty_batch(g: Inputs, big: bool):
         assert_matches(a, e)
 
 
-def _skinny_gemm(dtype, m, n, k, *, bias=False, silu_mul=False, config=None, nonfinite=False, strided=False):
+def _skinny_gemm(dtype, m, n, k, *, bias=False, silu_mul=False, gelu=False, config=None, nonfinite=False, strided=False):
     """The Triton product against F.linear on fp32 copies of the same 16-bit inputs (summation
     order differs, so the check is a tolerance on the rounded output, scaled by sqrt(k))."""
     def case(g: Inputs, big: bool):
@@ -233,10 +233,10 @@ def _skinny_gemm(dtype, m, n, k, *, bias=False, silu_mul=False, config=None, non
         b = g.randn(n, dtype=dtype) if bias else None
         if nonfinite:
             x[0, 3], x[m - 1, 5] = float("nan"), float("inf")
-        cfg = config or skinny_gemm.pick_config(m, n, k, silu_mul)
+        cfg = config or skinny_gemm.pick_config(m, n, k, silu_mul, gelu)
         assert cfg is not None, f"pick_config chooses cuBLAS for {m} x {n} x {k}: not a case for the kernel"
-        got = skinny_gemm.skinny_gemm_triton(x, w, b, silu_mul, cfg)
-        want = skinny_gemm.skinny_gemm_ref(x.float(), w.float(), None if b is None else b.float(), silu_mul).to(dtype)
+        got = skinny_gemm.skinny_gemm_triton(x, w, b, silu_mul, cfg, gelu)
+        want = skinny_gemm.skinny_gemm_ref(x.float(), w.float(), None if b is None else b.float(), silu_mul, gelu).to(dtype)
         assert got.shape == want.shape and got.dtype == want.dtype, f"{got.shape} {got.dtype} != {want.shape} {want.dtype}"
         ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
         torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=2 * ulp, atol=ulp * 0.5 * k**0.5, equal_nan=True)
@@ -323,6 +323,9 @@ def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
         cases[f"skinny_gemm-{name}-picked-gate-up-m64"] = _skinny_gemm(dtype, 64, 2 * 3072, 1024, silu_mul=True)
         cases[f"skinny_gemm-{name}-picked-minilm-down"] = _skinny_gemm(dtype, 9, 384, 1536, bias=True)
         cases[f"skinny_gemm-{name}-picked-minilm-qkv"] = _skinny_gemm(dtype, 33, 1152, 384, bias=True)
+        cases[f"skinny_gemm-{name}-gelu"] = _skinny_gemm(dtype, 21, 48, 64, bias=True, gelu=True, config=cfg(16, 16, 32))
+        cases[f"skinny_gemm-{name}-picked-minilm-up-gelu-m5"] = _skinny_gemm(dtype, 5, 1536, 384, bias=True, gelu=True)
+        cases[f"skinny_gemm-{name}-picked-minilm-up-gelu-m128"] = _skinny_gemm(dtype, 128, 1536, 384, bias=True, gelu=True)
     return cases
 
 

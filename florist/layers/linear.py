@@ -20,14 +20,16 @@ from florist.kernels import skinny_gemm
 from florist.kernels.activation import silu_and_mul
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for few rows on CUDA, where the skinny-M kernel streams the weight faster
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
+    """F.linear (then exact GELU with `gelu`), except for few rows on CUDA, where the skinny-M
+    kernel streams the weight faster and applies the GELU in its epilogue
     (florist/kernels/skinny_gemm.py: which shapes, and the measurements behind them)."""
     if skinny_gemm.applies(x, weight):
-        config = skinny_gemm.pick_config(x.shape[0], weight.shape[0], weight.shape[1])
+        config = skinny_gemm.pick_config(x.shape[0], weight.shape[0], weight.shape[1], gelu=gelu)
         if config is not None:
-            return skinny_gemm.skinny_gemm_triton(x, weight, bias, False, config)
-    return F.linear(x, weight, bias)
+            return skinny_gemm.skinny_gemm_triton(x, weight, bias, False, config, gelu)
+    y = F.linear(x, weight, bias)
+    return F.gelu(y) if gelu else y
 
 
 def _divide(numerator: int, denominator: int, what: str = "a layer size") -> int:
@@ -57,6 +59,10 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """gelu(linear(x)) with the exact (erf) GELU; fused where the skinny-M kernel runs."""
+        return linear(x, self.weight, self.bias, gelu=True)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -49,6 +49,7 @@ class BertLayer(nn.Module):
         self.attn_norm = LayerNorm(h, cfg.norm_eps)
         self.intermediate = ColumnParallelLinear(h, cfg.intermediate_size, bias=True)
         self.act = ACTIVATIONS[cfg.hidden_act]
+        self.fused_gelu = cfg.hidden_act == "gelu"
         self.output = RowParallelLinear(cfg.intermediate_size, h, bias=True)
         self.output_norm = LayerNorm(h, cfg.norm_eps)
         self.q_size = self.qkv.num_heads * cfg.head_dim
@@ -56,7 +57,9 @@ class BertLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
         q, k, v = self.qkv(x).split([self.q_size, self.q_size, self.q_size], dim=-1)
         x = self.attn_norm(self.attn_out(self.attn(q, k, v, batch)), residual=x)
-        return self.output_norm(self.output(self.act(self.intermediate(x))), residual=x)
+        # BERT's "gelu" is the exact one: the intermediate projection can apply it in its epilogue.
+        h = self.intermediate.forward_gelu(x) if self.fused_gelu else self.act(self.intermediate(x))
+        return self.output_norm(self.output(h), residual=x)
 
 
 class BertModel(nn.Module):
