@@ -3,7 +3,7 @@
 For each served weight shape (Qwen3-0.6B, all-MiniLM-L6-v2, the Qwen3 LM head) and row count M,
 times y = x @ w.T three ways, all inside CUDA graphs:
 
-    cublas   F.linear (and, for the gate/up shape, F.linear + the fused SwiGLU kernel: today's path)
+    cublas   F.linear (+ the SwiGLU kernel for gate/up, + F.gelu for "+gelu": the unfused path)
     picked   skinny_gemm with the configuration `pick_config` chooses (what the model runs)
     best     the fastest configuration of a sweep (what `pick_config` could choose)
 
@@ -32,7 +32,7 @@ from florist.kernels import activation, skinny_gemm  # noqa: E402
 from florist.kernels.skinny_gemm import GemmConfig  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.2e12
-# name, N (weight rows), K, SwiGLU fused
+# name, N (weight rows), K, SwiGLU fused; "+gelu" shapes fuse exact GELU
 SHAPES = [
     ("qwen3 qkv", 4096, 1024, False),
     ("qwen3 o", 1024, 2048, False),
@@ -42,6 +42,7 @@ SHAPES = [
     ("minilm qkv", 1152, 384, False),
     ("minilm o", 384, 384, False),
     ("minilm up", 1536, 384, False),
+    ("minilm up+gelu", 1536, 384, False),
     ("minilm down", 384, 1536, False),
 ]
 
@@ -106,27 +107,28 @@ def main() -> int:
         weight_bytes = n * k * 2
         copies = max(2, min(64, -(-256 * 2**20 // weight_bytes)))
         weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.05 for _ in range(copies)]
+        gelu = name.endswith("+gelu")
         for m in args.m:
             x = torch.randn(m, k, device=dev, dtype=dtype)
-            ref = skinny_gemm.skinny_gemm_ref(x.float(), weights[0].float(), None, silu)
+            ref = skinny_gemm.skinny_gemm_ref(x.float(), weights[0].float(), None, silu, gelu)
 
             def cublas(i):
                 y = F.linear(x, weights[i])
-                return activation.silu_and_mul(y) if silu else y
+                return activation.silu_and_mul(y) if silu else F.gelu(y) if gelu else y
 
             t_cublas = time_graph(cublas, copies)
-            picked = skinny_gemm.pick_config(m, n, k, silu)
+            picked = skinny_gemm.pick_config(m, n, k, silu, gelu)
             t_picked = None
             if picked is not None:
-                got = skinny_gemm.skinny_gemm_triton(x, weights[0], None, silu, picked).float()
+                got = skinny_gemm.skinny_gemm_triton(x, weights[0], None, silu, picked, gelu).float()
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
                 assert err < 2e-2, f"{name} M={m} {picked}: relative error {err}"
-                t_picked = time_graph(lambda i: skinny_gemm.skinny_gemm_triton(x, weights[i], None, silu, picked), copies)
+                t_picked = time_graph(lambda i: skinny_gemm.skinny_gemm_triton(x, weights[i], None, silu, picked, gelu), copies)
             best, best_cfg = None, None
             if args.sweep and m in args.sweep_m and "lm_head" not in name:
-                for cfg in sweep_configs(m, silu):
+                for cfg in sweep_configs(m, silu or gelu):
                     try:
-                        t = time_graph(lambda i: skinny_gemm.skinny_gemm_triton(x, weights[i], None, silu, cfg), copies, replays=8)
+                        t = time_graph(lambda i: skinny_gemm.skinny_gemm_triton(x, weights[i], None, silu, cfg, gelu), copies, replays=8)
                     except Exception as exc:  # out of resources and the like: not a candidate
                         print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
                         continue
