@@ -61,6 +61,31 @@ def test_qwen3_reranker_chat_template(reranker_dir):
         np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], np.sort(want)[::-1], **TOL)
 
 
+
+@pytest.mark.parametrize("backend", ["orjson", "stdlib"])
+def test_small_and_large_requests_with_either_json(default_engine, monkeypatch, backend):
+    """Small inputs are tokenized on the loop, large ones on the pool; without orjson the float
+    rows are written by jsonio.float_rows. The same numbers every way."""
+    from florist.gateway import jsonio
+
+    if backend == "stdlib":
+        monkeypatch.setattr(jsonio, "orjson", None)
+    elif jsonio.orjson is None:
+        pytest.skip("orjson is not installed")
+    small, large = ["a rose in the garden"], ["rose " * 60, "tulips need sun " * 50]  # 20 and 1100 characters
+    ids = default_engine.tokenize(small)[0]
+    with ServerThread(default_engine) as srv, gateway(srv, inline_tokenize_chars=1024) as gw:
+        for inputs, want in ((small[0], default_engine.embed(small)), (large, default_engine.embed(large)), ([ids], default_engine.embed(small))):
+            status, headers, body = call(gw.url, "/v1/embeddings", {"input": inputs})
+            assert status == 200 and headers["Content-Type"] == "application/json", body
+            assert [d["index"] for d in body["data"]] == list(range(len(want))) and set(body) == {"object", "data", "model", "usage"}
+            np.testing.assert_allclose([d["embedding"] for d in body["data"]], want, **TOL)
+            status, _, body = call(gw.url, "/embed", {"inputs": inputs})
+            assert status == 200
+            np.testing.assert_allclose(body, want, **TOL)
+        status, _, body = call(gw.url, "/v1/embeddings", {"input": [ids[:3] + [10**6]]})
+        assert status == 400 and "outside the vocabulary" in error_message(body)
+
 class GatedEngine:
     """Holds every batch until `gate` opens, so the server's queue fills."""
 

@@ -269,6 +269,103 @@ def test_json_in_and_out(monkeypatch, fast):
     assert json.loads(jsonio.dumps({"x": list(rows), "b": np.asarray([1, 255], np.uint8)})) == {"x": [[0.5, -1.25]], "b": [1, 255]}
 
 
+
+def test_float_rows_read_back_exactly():
+    from florist.gateway.jsonio import float_rows
+
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edge = np.array([0.0, -0.0, 1.0, -1.0, 0.1, 9.9999999e-1, 10.0, 1e-45, -1.4e-45, 1.17549435e-38, 3.4028235e38, -3.4028235e38,
+                     123456789.0, 999999999.0, 1e-5], dtype=np.float32)
+    x = np.concatenate([edge, bits[np.isfinite(bits)], rng.standard_normal(10_000).astype(np.float32)])
+    x = x[: len(x) // 7 * 7].reshape(-1, 7)
+    rows = float_rows(x)
+    back = np.array([json.loads(r) for r in rows], dtype=np.float32)
+    assert np.array_equal(back.view(np.uint32), x.view(np.uint32))  # every bit, -0.0 included
+    assert rows[0] == b"[ 0.00000000e+00,-0.00000000e+00, 1.00000000e+00,-1.00000000e+00, 1.00000001e-01, 1.00000000e+00, 1.00000000e+01]"
+    for bad in (np.nan, np.inf, -np.inf):
+        with pytest.raises(ValueError):
+            float_rows(np.array([[1.0, bad]], dtype=np.float32))
+
+
+def test_stdlib_json_writes_float32_arrays_fast_and_everything_else_as_json_does(monkeypatch):
+    from florist.gateway import jsonio
+
+    monkeypatch.setattr(jsonio, "orjson", None)
+    m = np.random.default_rng(1).standard_normal((3, 5)).astype(np.float32)
+    rows = jsonio.matrix_rows(m)
+    assert all(isinstance(r, jsonio.RawJSON) for r in rows)
+    obj = {"data": [{"index": i, "embedding": r} for i, r in enumerate(rows)], "matrix": m, "row": m[1], "empty": np.zeros((0, 4), np.float32),
+           "other": ["x\u0000\"\u00e9", None, True, 2, 2.5, np.float32(1.5), np.arange(3), np.array([0.1]), {"k": (1, 2)}]}
+    got = json.loads(jsonio.dumps(obj))
+    assert np.array_equal(np.array([d["embedding"] for d in got["data"]], dtype=np.float32), m)
+    assert np.array_equal(np.array(got["matrix"], dtype=np.float32), m) and np.array_equal(np.array(got["row"], dtype=np.float32), m[1])
+    assert got["empty"] == [] and got["other"] == ["x\u0000\"\u00e9", None, True, 2, 2.5, 1.5, [0, 1, 2], [0.1], {"k": [1, 2]}]
+    assert [d["index"] for d in got["data"]] == [0, 1, 2] and list(got) == ["data", "matrix", "row", "empty", "other"]
+    with pytest.raises(ValueError):
+        jsonio.dumps({"x": np.array([np.nan], np.float32)})
+    if jsonio.orjson is None:
+        return
+    monkeypatch.undo()
+    assert isinstance(jsonio.matrix_rows(m)[0], np.ndarray)  # orjson writes numpy rows itself
+
+
+# -- tokenization: inline when small, else on the pool ----------------------------------------------
+def test_small_tokenization_runs_on_the_loop_while_the_pool_is_idle(default_engine):
+    import threading
+
+    from florist.gateway.tokenization import IDS_CHARS, Tokenization, cost_chars
+
+    assert cost_chars(["ab", "cde"], prompt="q: ") == 11 and cost_chars([np.arange(300), np.arange(2)]) == 2 * IDS_CHARS
+    tok = Tokenization(default_engine.text, 2, inline_chars=100)
+    where: list[str] = []
+
+    def note(x):
+        where.append(threading.current_thread().name)
+        return x
+
+    async def go():
+        assert await tok.run(note, 1, chars=100) == 1  # small: right here
+        await tok.run(note, 2, chars=101)  # too large
+        await tok.run(note, 3)  # size unknown
+        gate = threading.Event()
+        busy = asyncio.ensure_future(tok.run(gate.wait, 10))  # the pool is busy: small calls join it
+        await asyncio.sleep(0.05)
+        await tok.run(note, 4, chars=1)
+        gate.set()
+        await busy
+        return threading.current_thread().name
+
+    try:
+        loop_thread = run(go())
+        assert where[0] == loop_thread and all(w.startswith("florist-tokenize") for w in where[1:]), where
+        assert tok.on_pool == 0
+        # The same tokens either way, and an InputError is a 400 either way.
+        texts = ["a rose in the garden", "tulips"]
+        assert [x.tolist() for x in run(tok.encode(texts, prompt="", truncate=False, direction="right"))] == default_engine.tokenize(texts)
+        for inline_chars in (1000, 0):
+            tok.inline_chars = inline_chars
+            with pytest.raises(ApiError) as err:
+                run(tok.encode(["a", ""], prompt="", truncate=False, direction="right"))
+            assert err.value.status == 400 and "input 1 is an empty string" in err.value.message
+    finally:
+        tok.close()
+
+
+def test_one_chunk_requests_skip_the_split():
+    async def go():
+        balancer, d = await make(["a", "b"], {}, max_seqs=4)
+        d.limits = ChunkLimits(max_seqs=4, max_tokens=1000, min_tokens=2048)  # below: never split over replicas
+        one = await d.embed(seqs(4), dimensions=None, normalize=None, encoding="float")
+        calls = list(FakeClient.calls)
+        five = await d.embed(seqs(5), dimensions=None, normalize=None, encoding="float")  # over max_seqs: two chunks
+        await balancer.close()
+        return one, calls, five
+
+    one, calls, five = run(go())
+    assert one[:, 0].tolist() == [0, 1, 2, 3] and len(calls) == 1 and calls[0][1] == 4
+    assert five[:, 0].tolist() == [0, 1, 2, 3, 4] and sorted(n for _, n in FakeClient.calls[1:]) == [2, 3]
+
 def test_serve_passes_engine_options_to_its_engine_servers(monkeypatch):
     import florist.gateway.supervisor as supervisor
     from florist.cli import main

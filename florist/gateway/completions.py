@@ -43,6 +43,7 @@ from florist.gateway.errors import ApiError, bad_request, error_body
 from florist.gateway.inputs import SHAPES, parse_inputs
 from florist.gateway.pipeline import Pipeline, pipeline_of
 from florist.gateway.schema import parse
+from florist.gateway.tokenization import cost_chars
 from florist.text import InputError
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ def _options(req: CompletionRequest, vocab_size: int) -> tuple[int, tuple[str, .
 
 
 def _encode_prompts(processor, prompts) -> list:
-    """(On the pool.) The embedded API's tokenization (`Engine.generate` does the same)."""
+    """(On the pool, or inline when small.) The embedded API's tokenization (`Engine.generate` does the same)."""
     try:
         return processor.encode(prompts)
     except InputError as e:
@@ -172,7 +173,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     max_tokens, stop, stop_ids, include_usage = _options(req, pipe.info.vocab_size)
     prompts = parse_inputs(req.prompt, field="prompt", input_format="json", max_inputs=pipe.config.max_inputs)
     started = time.perf_counter()
-    ids = await pipe.tokenization.run(_encode_prompts, pipe.processor, prompts)
+    ids = await pipe.tokenization.run(_encode_prompts, pipe.processor, prompts, chars=cost_chars(prompts))
     pipe.metrics.observe_tokens(sum(len(x) for x in ids), time.perf_counter() - started)
     choices = [CompletionText(pipe.tokenization.detokenizer(), stop) for _ in ids]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": pipe.info.model_name}

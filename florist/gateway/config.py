@@ -19,6 +19,7 @@ class GatewayConfig:
     chunk_tokens: int | None = None          # tokens per chunk; None: the engine's max batch tokens
     min_chunk_tokens: int = 2048             # a request is split over replicas only into chunks this large
     tokenization_workers: int = min(4, os.cpu_count() or 1)
+    inline_tokenize_chars: int = 1024        # smaller requests are tokenized on the event loop while the pool is idle; 0: never
     request_timeout_s: float = 120.0
     health_interval_s: float = 1.0
     startup_timeout_s: float = 300.0

@@ -113,8 +113,10 @@ class Dispatcher:
         lens = [len(x) for x in ids]
         total = sum(lens)
         parts = parts_for(total, self.balancer.healthy_count, self.limits.min_tokens)
-        bounds = split(lens, max_seqs=self.limits.max_seqs, max_tokens=self.limits.max_tokens, min_parts=parts)
         deadline = time.monotonic() + self.timeout_s
+        if parts == 1 and total <= self.limits.max_tokens and len(ids) <= self.limits.max_seqs:
+            return await self._chunk(ids, first, total, call, deadline)  # what split() would say: one chunk
+        bounds = split(lens, max_seqs=self.limits.max_seqs, max_tokens=self.limits.max_tokens, min_parts=parts)
         jobs = [self._chunk(ids[a:b], first[a:b] if first is not None else None, sum(lens[a:b]), call, deadline) for a, b in bounds]
         if len(jobs) == 1:
             return await jobs[0]

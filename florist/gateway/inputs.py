@@ -36,7 +36,7 @@ def parse_inputs(value: Any, *, field: str, input_format: str, max_inputs: int) 
         raise bad_request(f"{field} must be {SHAPES}; got {json_type(value)}", param=field)
     if not value:
         raise bad_request(f"{field} is empty; send at least one input", param=field)
-    if all(type(x) is int for x in value):  # one pre-tokenized input
+    if _all_ints(value):  # one pre-tokenized input
         return [_ids_array(value, field)]
     _check_count(len(value), field, max_inputs)
     if all(isinstance(x, str) for x in value):
@@ -44,7 +44,7 @@ def parse_inputs(value: Any, *, field: str, input_format: str, max_inputs: int) 
     if all(isinstance(x, list) for x in value):
         out = []
         for i, ids in enumerate(value):
-            if not all(type(t) is int for t in ids):
+            if not _all_ints(ids):
                 bad = next(t for t in ids if type(t) is not int)
                 raise bad_request(f"{field}[{i}] must be a list of integer token ids; it holds {json_type(bad)} ({bad!r:.40})", param=field)
             out.append(_ids_array(ids, f"{field}[{i}]"))
@@ -53,6 +53,11 @@ def parse_inputs(value: Any, *, field: str, input_format: str, max_inputs: int) 
     bad = next(i for i, x in enumerate(value) if not isinstance(x, type(value[0])) or kind is None)
     mixed = f"; inputs must all be {kind}" if kind else ""
     raise bad_request(f"{field}[{bad}] is {json_type(value[bad])}{mixed}; {field} must be {SHAPES}", param=field)
+
+
+def _all_ints(items: list) -> bool:
+    """Every item a JSON integer (`bool` is an int subclass, and not one). In C: ~2 us for 128 ids."""
+    return set(map(type, items)) <= {int}
 
 
 def _ids_array(ids: list[int], where: str) -> np.ndarray:

@@ -54,7 +54,7 @@ async def embeddings(request: web.Request) -> web.Response:
     if fmt == "base64":  # little-endian float32, what OpenAI's client decodes
         rows = [base64.b64encode(m[i].astype("<f4", copy=False).tobytes()).decode("ascii") for i in range(len(m))]
     else:
-        rows = list(m)
+        rows = jsonio.matrix_rows(m)
     data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
     usage = {"prompt_tokens": out.num_tokens, "total_tokens": out.num_tokens}
     return jsonio.response({"object": "list", "data": data, "model": pipe.info.model_name, "usage": usage})

@@ -86,7 +86,8 @@ class Pipeline:
         if self.info.dimensions != 1:
             raise ApiError(400, f"{self.info.model_name} has {self.info.dimensions} score labels; ranking needs a model with one relevance score")
         started = time.perf_counter()
-        ids, first = await self.tokenization.run(self._encode_pairs, queries, documents, truncate, instruction)
+        chars = sum(len(q) + len(d) for q, d in zip(queries, documents))
+        ids, first = await self.tokenization.run(self._encode_pairs, queries, documents, truncate, instruction, chars=chars)
         num_tokens = sum(len(x) for x in ids)
         self.metrics.observe_tokens(num_tokens, time.perf_counter() - started)
         scores = await self.dispatcher.score(ids, first, raw=raw)
@@ -95,7 +96,7 @@ class Pipeline:
 
 
     def _encode_pairs(self, queries: list[str], documents: list[str], truncate: bool, instruction: str | None):
-        """(On the pool.) Pairs that share a query are templated in one call, in input order."""
+        """(On the pool, or inline when small.) Pairs that share a query are templated in one call, in input order."""
         groups: dict[str, list[int]] = {}
         for i, q in enumerate(queries):
             groups.setdefault(q, []).append(i)

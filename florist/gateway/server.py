@@ -52,7 +52,7 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
         min_tokens=config.min_chunk_tokens,
     )
     dispatcher = Dispatcher(balancer, limits, timeout_s=config.request_timeout_s, retry_after_s=config.retry_after_s, metrics=metrics)
-    pipeline = Pipeline(info, Tokenization(processor, config.tokenization_workers), dispatcher, config, metrics)
+    pipeline = Pipeline(info, Tokenization(processor, config.tokenization_workers, inline_chars=config.inline_tokenize_chars), dispatcher, config, metrics)
     runner = web.AppRunner(make_app(pipeline), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port or None, backlog=2048)

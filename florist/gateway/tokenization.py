@@ -5,6 +5,12 @@ prompts, Qwen3 instructions and the reranker chat template, truncation, limits).
 small thread pool: Hugging Face `tokenizers` releases the GIL while it encodes, so one
 request's tokenization overlaps HTTP parsing and response writing for the others.
 
+A small call runs on the event loop instead, when the pool is idle: the hand-off to a pool
+thread and back wakes two threads (~0.1 ms, more on a large idle machine), as much as
+tokenizing a few hundred characters costs. "Small" is at most `inline_chars` characters (token
+ids count 16 a sequence: they are only checked); under load the pool is busy, and every call
+goes to it, so the loop keeps serving while the pool's threads tokenize in parallel.
+
 The tokenizer must be the one the engines were loaded with: `load_text_processor` reads the
 model directory (configs and tokenizer.json only, never weights) from --model or from the path
 the engine reports in Info, and refuses a tokenizer whose sha256 differs from the engine's.
@@ -44,28 +50,41 @@ def load_text_processor(info, model: str | None) -> TextProcessor:
     return TextProcessor(str(md.tokenizer_file), md.config, md.pipeline)
 
 
+IDS_CHARS = 16  # what checking one token-id sequence costs, in characters tokenized
+
+
+def cost_chars(inputs, prompt: str = "") -> int:
+    """Characters `TextProcessor.encode(inputs, prompt=prompt)` tokenizes (the inline rule's measure)."""
+    return sum(len(x) + len(prompt) if isinstance(x, str) else IDS_CHARS for x in inputs)
+
+
 class Tokenization:
-    def __init__(self, processor: TextProcessor, workers: int):
+    def __init__(self, processor: TextProcessor, workers: int, *, inline_chars: int = 0):
         self.processor = processor
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="florist-tokenize")
+        self.inline_chars = inline_chars
+        self.on_pool = 0  # calls on the pool now
         # /tokenize reports offsets; a tokenizer of its own, so the processor's stay untouched.
         self._detailed = Tokenizer.from_file(processor.identity)
         self._detailed.no_truncation()
         self._detailed.no_padding()
 
-    async def run(self, fn, *args, **kwargs):
-        """fn(*args, **kwargs) on the pool; InputError becomes a 400."""
-        loop = asyncio.get_running_loop()
+    async def run(self, fn, *args, chars: int | None = None, **kwargs):
+        """fn(*args, **kwargs) on the pool, or right here if it tokenizes at most `inline_chars`
+        characters (`chars`; None: not small) and the pool is idle; InputError becomes a 400."""
         try:
-            return await loop.run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+            if chars is not None and chars <= self.inline_chars and self.on_pool == 0:
+                return fn(*args, **kwargs)
+            self.on_pool += 1
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+            finally:
+                self.on_pool -= 1
         except InputError as e:
             raise ApiError(400, str(e)) from None
 
     async def encode(self, inputs, *, prompt: str, truncate: bool, direction: str):
-        return await self.run(self.processor.encode, inputs, prompt=prompt, truncate=truncate, direction=direction)
-
-    async def encode_pairs(self, query: str, documents: list[str], *, truncate: bool, instruction: str | None):
-        return await self.run(self.processor.encode_pairs, query, documents, truncate=truncate, instruction=instruction)
+        return await self.run(self.processor.encode, inputs, prompt=prompt, truncate=truncate, direction=direction, chars=cost_chars(inputs, prompt))
 
     async def detailed(self, texts: list[str], *, add_special_tokens: bool):
         """Per text: [(id, token text, special, start, stop)] with character offsets."""
