@@ -9,16 +9,33 @@
     (c) the baseline, same load: FastAPI + uvicorn, a pydantic request model, and the
         transformers tokenizer as sentence-transformers calls it, answering the same response
         without any engine hop (skipped when fastapi / uvicorn are not installed);
-    (d) with --latency (the GPU figure): batch-1 128-token requests one after another on a real
-        engine replica, through HTTP (text, and token ids) and as a direct gRPC call with the
-        same ids; the difference in p50 is what the gateway adds.
+    (d) with --latency (the GPU figure): what HTTP adds over gRPC, below.
+
+--latency: one engine replica (`florist serve --replicas 1`, or with --stub the stub engine
+server behind `florist serve --engines`) and, in this process, two clients of about the same
+cost, each the plain blocking kind a user would write:
+
+    direct gRPC   a blocking stub on one channel (grpc.insecure_channel), the ids packed as
+                  florist.proto asks, the reply's matrix read with numpy
+    HTTP          one keep-alive connection (TCP_NODELAY), each request written in one send,
+                  the reply read by its Content-Length; JSON encoded and decoded per request
+                  with the standard library (as a user's client would)
+
+Batch-1 requests of 128 tokens go one after another, the three paths in turn (direct gRPC with
+the ids, POST /v1/embeddings with the text, and with the same ids), so a change of load or clock
+hits all three alike; 100 warm-up rounds are not counted. The difference of the HTTP paths' p50
+from the direct path's is what the gateway adds: parsing, checks, tokenization, the gRPC hop
+from the gateway and the JSON response. Every path's vector is checked to be the same first.
+The line "gateway JSON / event loop" says whether orjson and uvloop were importable (florist
+serve runs in the same Python environment); without them the gateway is slower.
 
 The model is all-MiniLM-L6-v2's tokenizer and configuration with max_seq_length raised to 512
 (its position table has 512 entries), so inputs of exactly 512 tokens are accepted.
 
     python bench/gateway.py                      # 10 s per measurement, 16 clients
     python bench/gateway.py --clients 4 --seconds 20 --workers 2
-    python bench/gateway.py --latency --model DIR   # (d) on the GPU: what HTTP adds over gRPC, p50
+    python bench/gateway.py --latency --model DIR --device cuda   # (d) on the GPU: what HTTP adds over gRPC, p50
+    python bench/gateway.py --latency --stub     # (d) against the stub engine: the gateway's cost on a CPU
     python bench/gateway.py --smoke              # (a)-(d) a second or a few requests each, CPU
 """
 
@@ -294,61 +311,135 @@ def text_of(processor, tokens: int) -> str:
     return " ".join(words[:lo])
 
 
+class HttpClient:
+    """A lean keep-alive HTTP/1.1 client on one socket. Each request is written in one send, as
+    aiohttp's client and most others do (http.client sends the headers and the body apart, so
+    the server reads every request twice); the reply is read by its Content-Length. Bodies are
+    encoded and decoded with the standard library's json, as a user's client would."""
+
+    def __init__(self, url: str):
+        host, port = url.split("//", 1)[1].rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.reader = self.sock.makefile("rb")
+        self.head = f"POST /v1/embeddings HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\nContent-Length: ".encode()
+
+    def embed(self, body: dict) -> np.ndarray:
+        data = json.dumps(body).encode()
+        self.sock.sendall(b"%s%d\r\n\r\n%s" % (self.head, len(data), data))
+        status = int(self.reader.readline().split()[1])
+        length = None
+        while (line := self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        assert length is not None, "the gateway answered without Content-Length"
+        reply = self.reader.read(length)
+        assert status == 200, reply[:300]
+        return np.asarray(json.loads(reply)["data"][0]["embedding"], dtype=np.float32)
+
+    def close(self) -> None:
+        self.reader.close()
+        self.sock.close()
+
+
+class GrpcClient:
+    """A user's gRPC client: a blocking stub on one channel, ids packed as florist.proto asks."""
+
+    def __init__(self, address: str):
+        import grpc
+
+        from florist.server import proto, wire
+        from florist.server.client import CHANNEL_OPTIONS
+
+        self.proto, self.wire = proto, wire
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._embed = proto.method_callables(self.channel)["Embed"]
+
+    def embed(self, ids) -> np.ndarray:
+        request = self.proto.EmbedRequest(tokens=self.wire.encode_tokens([ids], self.proto.TokenBatch), encoding="float")
+        return self.wire.decode_matrix(self._embed(request).embeddings)[0]
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def start_latency_servers(args, tmp: Path):
+    """-> (florist serve process, its URL, engine address, device, model directory, stub engine).
+    The stub engine is (process, pipe): it serves while the pipe is open."""
+    from florist_procs import serve
+
+    if not args.stub:
+        gateway, url = serve(*(["--replicas", "1"] + (["--model", args.model] if args.model else []) + (["--device", args.device] if args.device else [])))
+        engine = gateway.wait_for(r"engine replica 0 \(pid \d+, ([^)]*)\) on (\S+)")
+        return gateway, url, engine.group(2), engine.group(1), args.model, None
+    model_dir = str(make_model_dir(tmp, 512))
+    ctx = mp.get_context("spawn")
+    stub_conn, child = ctx.Pipe()
+    stub = ctx.Process(target=stub_server_main, args=(model_dir, child))
+    stub.start()
+    address = stub_conn.recv()
+    gateway, url = serve("--engines", address, "--model", model_dir)
+    return gateway, url, address, "a stub engine (no model)", model_dir, (stub, stub_conn)
+
+
 def latency(args) -> None:
     """Batch-1 requests one after another: HTTP (text, and token ids) vs a direct gRPC call to
     the same engine replica with the same ids; the difference is what the gateway adds."""
-    import asyncio
-
-    import aiohttp
-
     from florist.engine.model_dir import read_model_dir
-    from florist.server.client import InferenceClient
     from florist.text import TextProcessor
-    from florist_procs import serve
 
-    serve_args = ["--replicas", "1"] + (["--model", args.model] if args.model else []) + (["--device", args.device] if args.device else [])
-    gateway, url = serve(*serve_args)
+    tmp = Path(tempfile.mkdtemp(prefix="florist-bench-gateway-"))
+    gateway = stub = None
     try:
-        engine = gateway.wait_for(r"engine replica 0 \(pid \d+, ([^)]*)\) on (\S+)")
-        device, address = engine.group(1), engine.group(2)
-        md = read_model_dir(args.model)
+        gateway, url, address, device, model_dir, stub = start_latency_servers(args, tmp)
+        md = read_model_dir(model_dir)
         processor = TextProcessor(str(md.tokenizer_file), md.config, md.pipeline)
         text = text_of(processor, args.latency_tokens)
-        ids = processor.encode([text])[0]
-        n, warmup = (10, 3) if args.smoke else (args.requests, 50)
-
-        async def run():
-            times: dict[str, list[float]] = {"direct gRPC (ids)": [], "HTTP /v1/embeddings (text)": [], "HTTP /v1/embeddings (token ids)": []}
-            bodies = {"HTTP /v1/embeddings (text)": {"input": text, "encoding_format": "float"},
-                      "HTTP /v1/embeddings (token ids)": {"input": [ids.tolist()], "encoding_format": "float"}}
-            async with InferenceClient(address) as client, aiohttp.ClientSession(url) as session:
-                async def http(body):
-                    async with session.post("/v1/embeddings", json=body) as r:
-                        assert r.status == 200, await r.text()
-                        return np.asarray((await r.json())["data"][0]["embedding"], dtype=np.float32)
-
-                direct = (await client.embed([ids]))[0]
-                for body in bodies.values():  # the same vector either way
-                    assert np.abs(await http(body) - direct).max() < 1e-3
-                for k in range(warmup + n):  # in turn, so drift hits all three alike
-                    for name in times:
-                        t = time.perf_counter()
-                        await (client.embed([ids]) if name.startswith("direct") else http(bodies[name]))
-                        if k >= warmup:
-                            times[name].append((time.perf_counter() - t) * 1e3)
-            return times
-
-        times = asyncio.run(run())
-        print(f"\nbatch-1 latency, {len(ids)} tokens, {md.name} on {device}, {n} requests each, one after another:")
-        print(f"{'path':<40} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
-        for name, ms in times.items():
-            q = np.percentile(ms, [50, 90, 99])
-            print(f"{name:<40} {q[0]:>8.3f} {q[1]:>8.3f} {q[2]:>8.3f}")
-        base = np.percentile(times["direct gRPC (ids)"], 50)
-        for name in list(times)[1:]:
-            print(f"{name} adds {np.percentile(times[name], 50) - base:.3f} ms p50 over direct gRPC")
+        ids = processor.encode([text])[0].tolist()
+        n, warmup = (10, 3) if args.smoke else (args.requests, 100)
+        http_client, grpc_client = HttpClient(url), GrpcClient(address)
+        paths = {
+            "direct gRPC (ids)": lambda: grpc_client.embed(ids),
+            "HTTP /v1/embeddings (text)": lambda: http_client.embed({"input": text, "encoding_format": "float"}),
+            "HTTP /v1/embeddings (token ids)": lambda: http_client.embed({"input": [ids], "encoding_format": "float"}),
+        }
+        direct = paths["direct gRPC (ids)"]()
+        for name, call in paths.items():  # the same vector every way
+            assert np.abs(call() - direct).max() < 1e-3, name
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for k in range(warmup + n):  # in turn, so drift hits all three alike
+            for name, call in paths.items():
+                t = time.perf_counter()
+                call()
+                if k >= warmup:
+                    times[name].append((time.perf_counter() - t) * 1e3)
+        http_client.close()
+        grpc_client.close()
     finally:
-        gateway.stop()
+        if gateway is not None:
+            gateway.stop()
+        if stub is not None:
+            stub[0].terminate()
+            stub[0].join(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\nbatch-1 latency, {len(ids)} tokens, {md.name} ({md.config.hidden_size} dimensions) on {device}, {n} requests each, one after another:")
+    print(f"gateway JSON / event loop: {_importable('orjson', 'json (float rows by numpy)')} / {_importable('uvloop', 'asyncio')}")
+    print(f"{'path':<40} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
+    for name, ms in times.items():
+        q = np.percentile(ms, [50, 90, 99])
+        print(f"{name:<40} {q[0]:>8.3f} {q[1]:>8.3f} {q[2]:>8.3f}")
+    base = np.percentile(times["direct gRPC (ids)"], 50)
+    for name in list(times)[1:]:
+        print(f"{name} adds {np.percentile(times[name], 50) - base:.3f} ms p50 over direct gRPC")
+
+
+def _importable(name: str, otherwise: str) -> str:
+    try:
+        __import__(name)
+    except ImportError:
+        return otherwise
+    return name
 
 
 def main() -> int:
@@ -358,10 +449,11 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per server (default 10)")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first (default 2)")
     p.add_argument("--workers", type=int, default=1, help="florist gateway workers (default 1)")
-    p.add_argument("--latency", action="store_true", help="only the latency run: HTTP vs direct gRPC on a real engine")
+    p.add_argument("--latency", action="store_true", help="only the latency run: HTTP vs direct gRPC on a real engine (or the stub, --stub)")
     p.add_argument("--model", default=None, help="model of the latency run (default: all-MiniLM-L6-v2)")
     p.add_argument("--device", default=None, help="device of the latency run (default: cuda when present)")
     p.add_argument("--latency-tokens", type=int, default=128, help="tokens per input of the latency run (default 128)")
+    p.add_argument("--stub", action="store_true", help="latency run against the stub engine instead of a model (the gateway's own cost, on a CPU; --model unused)")
     p.add_argument("--requests", type=int, default=500, help="requests per path in the latency run (default 500)")
     p.add_argument("--smoke", action="store_true", help="both runs, a second or a few requests each: the code path only")
     args = p.parse_args()

@@ -1,6 +1,6 @@
 """bench/gateway.py --smoke: the measurement's code path (model directory, 512-token inputs, stub
 engine, `florist serve`, the load process, the FastAPI baseline when installed, the table), and the
-latency run (HTTP vs direct gRPC on a real engine, default model on the CPU)."""
+latency run (HTTP vs direct gRPC on a real engine, default model on the CPU; and on the stub engine)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,13 @@ def test_gateway_bench_smoke():
     row = re.search(r"florist serve \(1 worker\) \+ stub engine over gRPC\s+([0-9.]+)", out.stdout)
     assert row and float(row.group(1)) > 0, out.stdout
     assert re.search(r"HTTP /v1/embeddings \(text\) adds -?[0-9.]+ ms p50 over direct gRPC", out.stdout), out.stdout
+
+
+def test_gateway_latency_on_the_stub_engine():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gateway.py"), "--latency", "--stub", "--requests", "20"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"on a stub engine \(no model\), 20 requests each", out.stdout), out.stdout
+    assert re.search(r"gateway JSON / event loop: (orjson|json \(float rows by numpy\)) / (uvloop|asyncio)", out.stdout), out.stdout
+    for path in ("text", "token ids"):
+        assert re.search(rf"HTTP /v1/embeddings \({path}\) adds -?[0-9.]+ ms p50 over direct gRPC", out.stdout), out.stdout
