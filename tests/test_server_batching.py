@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -128,33 +129,55 @@ with ServerThread(SimulatedDevice(), ServerConfig(port=0)) as srv:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-# -- the idle fast path (a request that finds the server idle is launched by its handler) -------
+# -- the idle fast path (a request that finds the server idle is launched by its handler, which
+# on the device path also polls and collects its batch for the spin window) ---------------------
+class GatedLazy(SimulatedLazy):
+    def __init__(self, rows, ready_at, gate: threading.Event):
+        super().__init__(rows, ready_at)
+        self.gate = gate
+
+    def ready(self) -> bool:
+        return self.gate.is_set() and super().ready()
+
+
 class RecordingDevice(SimulatedDevice):
-    """Also records the ids of each batch it ran, and (run_batcher) whether the loop launched it."""
+    """Also records the ids of each batch it ran, and (run_batcher) who launched and collected
+    it. While `gate` is clear no batch finishes, so a test decides when results come back."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
+        self.gate = threading.Event()
+        self.gate.set()
         self.batches: list[list[int]] = []
-        self.by_loop: list[bool] = []
+        self.by_loop: list[bool] = []  # per launched batch: launched by the batching loop
+        self.collected_by_loop: list[bool] = []  # per collected batch, in order
 
     def step(self, batch):
         self.batches.append(batch.input_ids.tolist())
-        return super().step(batch)
+        lazy = super().step(batch)
+        return GatedLazy(lazy.rows, lazy.ready_at, self.gate)
 
 
-def run_batcher(device, body, *, max_batch_tokens=256, max_batch_seqs=16, launch=None):
+def run_batcher(device, body, *, max_batch_tokens=256, max_batch_seqs=16, launch=None, spin_s=0.002):
     from florist.server.batcher import Batcher
     from florist.server.scheduler import Scheduler
 
     async def go():
-        batcher = Batcher(device, Scheduler(max_batch_tokens, max_batch_seqs, 100_000), launch=launch)
+        batcher = Batcher(device, Scheduler(max_batch_tokens, max_batch_seqs, 100_000), launch=launch, spin_s=spin_s)
         launch_batch = batcher._launch
 
         def recording_launch(batch):
             device.by_loop.append(asyncio.current_task().get_name() == "florist-batcher")
-            launch_batch(batch)
+            return launch_batch(batch)
 
         batcher._launch = recording_launch
+        collect = batcher._collect
+
+        def recording_collect(flight):
+            device.collected_by_loop.append(asyncio.current_task().get_name() == "florist-batcher")
+            collect(flight)
+
+        batcher._collect = recording_collect
         batcher.start()
         try:
             return await body(batcher)
@@ -181,26 +204,34 @@ def test_a_lone_request_is_launched_by_its_handler_with_the_same_rows(launch):
         together = await asyncio.gather(*(submit(batcher, r) for r in requests))  # queued: the loop batches them
         return alone, together
 
-    alone, together = run_batcher(device, body, launch=launch)
+    alone, together = run_batcher(device, body, launch=launch, spin_s=60.0)  # poll to the end, however slow the host
     for seqs, a, b in zip(requests, alone, together):
         np.testing.assert_array_equal(a, expected_rows(seqs))
         np.testing.assert_array_equal(b, expected_rows(seqs))
     assert device.by_loop[:3] == [False, False, False], "each lone request should be launched by its handler"
+    # On the device path its handler also polls and collects it; a worker thread reports to the loop.
+    assert device.collected_by_loop[:3] == [launch == "thread"] * 3
     # Of the concurrent ones the first finds the server idle; the other two queue behind it.
     assert device.by_loop[3:] == [False, True] and device.batches[4] == [4, 5, 6, 7, 8, 9, 10]
 
 
-def test_requests_arriving_behind_a_fast_path_launch_keep_fcfs_order():
+# spin_s: the first request's handler polls its batch to the end (1 s), hands it to the loop
+# within the batch (5 ms), or at once (0).
+@pytest.mark.parametrize("spin_s", [1.0, 0.005, 0.0], ids=["handler-polls", "handed-over", "parked"])
+def test_requests_arriving_behind_a_fast_path_launch_keep_fcfs_order(spin_s):
     device = RecordingDevice(per_token_s=0, base_s=0.02)
+    device.gate.clear()
 
     async def body(batcher):
         first = submit(batcher, [[1, 1]])
         await asyncio.sleep(0)  # first is launched (fast path) and now runs on the device
         assert len(batcher.in_flight) == 1
         later = [submit(batcher, [[k, k]]) for k in (2, 3, 4)]
+        await asyncio.sleep(0.01)
+        device.gate.set()
         return await asyncio.gather(first, *later)
 
-    results = run_batcher(device, body, max_batch_seqs=2)
+    results = run_batcher(device, body, max_batch_seqs=2, spin_s=spin_s)
     for k, rows in enumerate(results, 1):
         np.testing.assert_array_equal(rows, expected_rows([[k, k]]))
     assert device.batches == [[1, 1], [2, 2, 3, 3], [4, 4]]
@@ -220,21 +251,28 @@ def test_a_lone_request_over_the_batch_budget_is_split_and_reassembled():
     assert device.by_loop == [False, True, True]
 
 
-def test_cancelling_a_fast_path_request_in_flight_leaves_the_server_serving():
-    device = RecordingDevice(per_token_s=0, base_s=0.05)
+@pytest.mark.parametrize("spin_s", [1.0, 0.0], ids=["while-its-handler-polls", "while-the-loop-waits"])
+def test_cancelling_a_fast_path_request_in_flight_leaves_the_server_serving(spin_s):
+    device = RecordingDevice(per_token_s=0, base_s=0.002)
+    device.gate.clear()
 
     async def body(batcher):
         doomed = submit(batcher, [[1, 2]])
         await asyncio.sleep(0)
         assert len(batcher.in_flight) == 1  # launched by its handler
+        behind = submit(batcher, [[5, 6]])  # queued behind it; launched by the loop
+        await asyncio.sleep(0.01)
         doomed.cancel()
         with pytest.raises(asyncio.CancelledError):
             await doomed
+        device.gate.set()
         after = await submit(batcher, [[3, 4]])
         assert not batcher.in_flight
-        return after
+        return await behind, after
 
-    np.testing.assert_array_equal(run_batcher(device, body), expected_rows([[3, 4]]))
+    behind, after = run_batcher(device, body, spin_s=spin_s)
+    np.testing.assert_array_equal(behind, expected_rows([[5, 6]]))
+    np.testing.assert_array_equal(after, expected_rows([[3, 4]]))
 
 
 def test_an_expired_request_is_refused_by_the_fast_path_without_running():

@@ -5,10 +5,7 @@
        └──── future ◀── rows copied per request ◀── collect (oldest first) ◀─────────┘
 
 Up to `max_in_flight` (2) batches are launched at once: while batch N runs on the device the
-loop forms and launches N+1, so the device never waits for the host between batches. A request
-that finds the server idle (nothing queued, nothing in flight) is launched by its own handler
-at once, not one event-loop turn later by the loop (the idle fast path); the loop still polls
-and collects it. Results
+loop forms and launches N+1, so the device never waits for the host between batches. Results
 are collected oldest first and copied out of the engine's host buffer before another batch is
 launched (an engine may reuse its buffers). The loop runs on the server's event loop and never
 blocks it. How a batch runs and is waited for is decided once, at construction:
@@ -26,6 +23,12 @@ hand-off (~30-60 us on a small host) and no CPU. Short batches, where that hand-
 visible part of the latency, finish within the spin window; long ones (where the batch behind
 keeps the device busy, so the hand-off is hidden) are parked. spin_s=0 always parks,
 spin_s=inf always polls.
+
+The idle fast path: a request that finds the server idle (nothing queued, nothing in flight) is
+launched by its own handler at once, not one event-loop turn later by the loop. With
+launch="inline" that handler also polls and collects its batch during the spin window, so a
+lone request's result reaches it without a hop through the loop; after the window, or if the
+handler is cancelled, the loop takes the batch over. Requests arriving meanwhile queue as usual.
 """
 
 from __future__ import annotations
@@ -91,11 +94,11 @@ class _Worker:
 
 
 class _InFlight:
-    __slots__ = ("batch", "lazy", "rows", "error", "done", "parked", "launched_at")
+    __slots__ = ("batch", "lazy", "rows", "error", "done", "parked", "owned", "launched_at")
 
     def __init__(self, batch: Batch):
         self.batch, self.lazy, self.rows, self.error = batch, None, None, None
-        self.done = self.parked = False
+        self.done = self.parked = self.owned = False  # owned: polled by its request's handler
         self.launched_at = time.perf_counter()
 
 
@@ -144,14 +147,37 @@ class Batcher:
             # The fast path: nothing queued or running, so this request's batch is the next one
             # and is launched here, without waiting for the loop to wake up. NOTE: safe because
             # an idle loop is parked in `_wakeup.wait()` (it only yields while it has batches in
-            # flight, or after a failure with none); it still gets woken below to collect.
-            self._launch_next()
+            # flight, or after a failure with none).
+            flight = self._launch_next()
+            if flight is not None and self.launch == "inline" and req.queued_seqs == 0 and not flight.done:
+                await self._poll_own(flight, req)
         self._wakeup.set()
         try:
             return await future
         except asyncio.CancelledError:  # the client went away, or grpc enforced its deadline
             self.scheduler.cancel(req)
             raise
+
+    async def _poll_own(self, flight: _InFlight, req: Request) -> None:
+        """A lone request's handler polls its own batch for the spin window and collects it,
+        so the result reaches the handler without a hand-off to the loop and back. The loop
+        leaves an `owned` head alone; after the window (or if the handler is cancelled) the loop
+        takes the batch over and parks the wait as usual."""
+        flight.owned = True
+        try:
+            while not flight.lazy.ready():
+                if time.perf_counter() - flight.launched_at >= self.spin_s:
+                    return
+                await asyncio.sleep(0)  # let other requests and grpc's work run, then look again
+            if self.in_flight and self.in_flight[0] is flight:  # else the loop failed it meanwhile
+                self._copy_out(flight)
+                self._collect(self.in_flight.popleft())
+        except asyncio.CancelledError:
+            self.scheduler.cancel(req)
+            raise
+        finally:
+            flight.owned = False
+            self._wakeup.set()  # the loop: take this batch over, or look at the next one
 
     # -- the loop ------------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -170,10 +196,10 @@ class Batcher:
         """Launch while there is room and work; collect the oldest batch if it is back; else
         wait for news (a request, a result) or, while polling, yield and look again."""
         self._wakeup.clear()
-        while len(self.in_flight) < self.max_in_flight and self._launch_next():
+        while len(self.in_flight) < self.max_in_flight and self._launch_next() is not None:
             pass
         head = self.in_flight[0] if self.in_flight else None
-        if head is not None and not head.done and not head.parked and head.lazy is not None:
+        if head is not None and not head.done and not head.parked and not head.owned and head.lazy is not None:
             if head.lazy.ready():
                 self._copy_out(head)
             elif time.perf_counter() - head.launched_at < self.spin_s:
@@ -202,16 +228,13 @@ class Batcher:
                 firsts.append(int(work.first_segment_lens[i]))
         return HostBatch.from_sequences(seqs, firsts if self.with_token_types else None)
 
-    def _launch_next(self) -> bool:
-        """Launch the next batch from the queue, if any; False when the queue is empty."""
+    def _launch_next(self) -> _InFlight | None:
+        """Launch the next batch from the queue, if any; None when the queue is empty."""
         batch = self.scheduler.next_batch()
         self._fail_expired()
-        if batch is None:
-            return False
-        self._launch(batch)
-        return True
+        return self._launch(batch) if batch is not None else None
 
-    def _launch(self, batch: Batch) -> None:
+    def _launch(self, batch: Batch) -> _InFlight:
         flight = _InFlight(batch)
         self.in_flight.append(flight)
         try:
@@ -225,6 +248,7 @@ class Batcher:
             self._done(flight, None, e)
         if self.metrics is not None:  # after the launch, so it overlaps the device's work
             self.metrics.observe_batch(batch.num_tokens, batch.num_seqs)
+        return flight
 
     def _done(self, flight: _InFlight, rows, error) -> None:
         flight.rows, flight.error, flight.done = rows, error, True
@@ -258,9 +282,12 @@ class Batcher:
                 end += 1
             work: Work = req.payload
             if req.live:
-                if work.rows is None:
-                    work.rows = np.empty((len(req.seq_lens), *rows.shape[1:]), dtype=rows.dtype)
-                work.rows[first : first + end - k] = rows[k:end]
+                if end - k == len(req.seq_lens):  # the whole request is in this batch
+                    work.rows = rows[k:end].copy()
+                else:
+                    if work.rows is None:
+                        work.rows = np.empty((len(req.seq_lens), *rows.shape[1:]), dtype=rows.dtype)
+                    work.rows[first : first + end - k] = rows[k:end]
             k = end
         for req in self.scheduler.complete(batch):
             if not req.payload.future.done():
