@@ -119,7 +119,9 @@ class InferenceService:
         normalize = request.normalize if request.HasField("normalize") else i.normalize
         rows = await self._run(ids, lens, None, context)
         out = finalize_embeddings(rows, dimensions=dimensions, normalize=normalize, encoding=encoding)
-        return proto.EmbedResponse(embeddings=wire.encode_matrix(out, proto.Matrix), num_tokens=ids.size)
+        response = proto.EmbedResponse(num_tokens=ids.size)
+        wire.fill_matrix(response.embeddings, out)
+        return response
 
     async def _score(self, request, context):
         try:
@@ -131,7 +133,9 @@ class InferenceService:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         rows = await self._run(ids, lens, first, context)
         out = finalize_scores(rows, self.info.score_activation, raw=request.raw)
-        return proto.ScoreResponse(scores=wire.encode_matrix(np.asarray(out, dtype=np.float32), proto.Matrix), num_tokens=ids.size)
+        response = proto.ScoreResponse(num_tokens=ids.size)
+        wire.fill_matrix(response.scores, np.asarray(out, dtype=np.float32))
+        return response
 
     def _require(self, task: str, method: str, other: str) -> None:
         if self.info.task != task:

@@ -37,18 +37,22 @@ def decode_tokens(tokens, *, vocab_size: int, max_seq_len: int) -> tuple[np.ndar
     ids = int32_bytes(tokens.ids, "tokens.ids")
     if lens.size == 0:
         raise InputError("the request has no sequences (tokens.seq_lens is empty); send at least one")
-    # One reduction per range check (this runs per request): seen as uint32, a negative value is
-    # larger than any bound, so `x.view(uint32).max() < n` means 0 <= x < n for every x.
-    bad_lens = (lens - 1).view(np.uint32).max() >= max_seq_len
-    if bad_lens and lens.min() < 1:
+    # This runs per request: for the usual few sequences, Python's min / max / sum over a list
+    # cost less than numpy's reductions; numpy takes over for many.
+    if lens.size <= 64:
+        values = lens.tolist()
+        low, high, total = min(values), max(values), sum(values)
+    else:
+        low, high, total = int(lens.min()), int(lens.max()), int(lens.sum(dtype=np.int64))
+    if low < 1:
         i = int(lens.argmin())
         raise InputError(f"sequence {i} has length {int(lens[i])}; every sequence needs at least one token")
-    total = int(lens.sum(dtype=np.int64))
     if total != ids.size:
         raise InputError(f"tokens.seq_lens add up to {total} tokens but tokens.ids holds {ids.size} (4 bytes per id); they must match")
-    if bad_lens:
+    if high > max_seq_len:
         i = int(lens.argmax())
         raise InputError(f"sequence {i} has {int(lens[i])} tokens; the model takes at most {max_seq_len}; truncate it before sending (the gateway's truncate=true)")
+    # One reduction for both bounds: seen as uint32, a negative id is larger than any vocabulary.
     if ids.view(np.uint32).max() >= vocab_size:  # ids is not empty: every sequence has a token
         pos = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
         starts = np.cumsum(lens, dtype=np.int64) - lens
@@ -79,11 +83,19 @@ def check_known_fields(message, what: str) -> None:
 
 
 def encode_matrix(x: np.ndarray, matrix_cls) -> object:
+    return fill_matrix(matrix_cls(), x)
+
+
+def fill_matrix(m, x: np.ndarray):
+    """Set a Matrix message's fields in place (e.g. a response's own `embeddings` field: no
+    message built apart and then copied in); returns `m`."""
     name = _DTYPE_NAMES.get(x.dtype)
     if name is None:
         raise TypeError(f"cannot send a {x.dtype} matrix; florist.proto carries {sorted(MATRIX_DTYPES)}")
-    data = np.ascontiguousarray(x, dtype=MATRIX_DTYPES[name]).tobytes()
-    return matrix_cls(data=data, dtype=name, shape=list(x.shape))
+    m.data = np.ascontiguousarray(x, dtype=MATRIX_DTYPES[name]).tobytes()
+    m.dtype = name
+    m.shape.extend(x.shape)
+    return m
 
 
 def decode_matrix(m) -> np.ndarray:
