@@ -373,7 +373,7 @@ def test_serve_passes_engine_options_to_its_engine_servers(monkeypatch):
     seen = {}
 
     def fake_serve(config, *, workers, engine_args, device, replicas):
-        seen.update(engine_args=engine_args, workers=workers)
+        seen.update(engine_args=engine_args, workers=workers, config=config)
         return 0
 
     monkeypatch.setattr(supervisor, "serve", fake_serve)
@@ -382,3 +382,19 @@ def test_serve_passes_engine_options_to_its_engine_servers(monkeypatch):
     assert args[args.index("--task") + 1] == "score"
     assert args[args.index("--max-pending-tokens") + 1] == "123" and args[args.index("--max-batch-tokens") + 1] == "456"
     assert main(["serve", "--model", "/m"]) == 0 and "--task" not in seen["engine_args"]
+
+
+def test_serve_shares_the_cpus_between_the_workers_tokenizer_threads(monkeypatch):
+    import os
+
+    import florist.gateway.supervisor as supervisor
+    from florist.cli import main
+
+    seen = {}
+    monkeypatch.setattr(supervisor, "serve", lambda config, **kw: seen.update(config=config, **kw) or 0)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    for workers, threads in ((1, 4), (4, 4), (8, 2), (32, 1)):
+        assert main(["serve", "--model", "/m", "--workers", str(workers)]) == 0
+        assert seen["workers"] == workers and seen["config"].tokenization_workers == threads and seen["config"].reuse_port == (workers > 1)
+    assert main(["serve", "--model", "/m", "--workers", "8", "--tokenization-workers", "3"]) == 0 and seen["config"].tokenization_workers == 3
+    assert main(["serve", "--model", "/m", "--tokenization-workers", "0"]) == 2

@@ -40,14 +40,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inputs", type=int, default=d.max_inputs, help=f"inputs per request at most (default {d.max_inputs})")
     p.add_argument("--chunk-seqs", type=int, default=None, help="sequences per chunk sent to a replica (default: the engine's batch size)")
     p.add_argument("--chunk-tokens", type=int, default=None, help="tokens per chunk sent to a replica (default: the engine's batch tokens)")
-    p.add_argument("--tokenization-workers", type=int, default=d.tokenization_workers, help=f"tokenizer threads per gateway worker (default {d.tokenization_workers})")
+    p.add_argument("--tokenization-workers", type=int, default=None,
+                   help=f"tokenizer threads per gateway worker (default: the CPUs over --workers, at least 1 and at most 4; here {tokenization_threads(1)} with one worker)")
+
+
+def tokenization_threads(workers: int) -> int:
+    """Tokenizer threads per gateway worker: the workers share the CPUs (more threads than cores only contend)."""
+    return max(1, min(4, (os.cpu_count() or 1) // workers))
 
 
 def run(args: argparse.Namespace) -> int:
     from florist.gateway.supervisor import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name, value in (("--workers", args.workers), ("--replicas", args.replicas or 1), ("--max-inputs", args.max_inputs), ("--payload-limit", args.payload_limit)):
+    for name, value in (("--workers", args.workers), ("--replicas", args.replicas or 1), ("--max-inputs", args.max_inputs), ("--payload-limit", args.payload_limit),
+                        ("--tokenization-workers", 1 if args.tokenization_workers is None else args.tokenization_workers)):
         if value < 1:
             print(f"florist serve: {name} must be at least 1", file=sys.stderr)
             return 2
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     config = GatewayConfig(
         engines=engines, model=args.model, host=args.host, port=args.port, api_key=args.api_key or None,
         payload_limit_bytes=args.payload_limit, max_inputs=args.max_inputs, chunk_seqs=args.chunk_seqs, chunk_tokens=args.chunk_tokens,
-        tokenization_workers=args.tokenization_workers, reuse_port=args.workers > 1,
+        tokenization_workers=args.tokenization_workers or tokenization_threads(args.workers), reuse_port=args.workers > 1,
     )
     passed = (("--model", args.model), ("--dtype", args.dtype), ("--task", args.task), ("--max-batch-tokens", args.max_batch_tokens), ("--max-pending-tokens", args.max_pending_tokens))
     engine_args = [a for flag, value in passed if value is not None for a in (flag, str(value))]
