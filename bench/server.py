@@ -14,7 +14,8 @@ Latency: --latency-tokens batch-1 requests one after another, p50 / p90 / p99 ro
 direct step() + result copy, with two clients: a plain synchronous gRPC client (a channel and a
 unary stub, as a user writes it; it costs less per call than grpc.aio) and florist's grpc.aio
 InferenceClient (what the gateway uses). The client is not under test; both rows are printed,
-and a Health round trip with each (it never touches the engine) shows the gRPC floor.
+and a Health round trip with each (it never touches the engine) shows the gRPC floor. The server
+runs on uvloop when it is installed (the table's last line says), the bench's clients on asyncio.
 
 Outputs are checked before timing (cosine >= 0.999 against the embedded API). The server is run
 once per --spin-ms value (how long it polls a launched batch before waiting in a thread), so
@@ -68,6 +69,7 @@ class ServerProcess:
         for line in self.proc.stdout:
             if "listening on " in line:
                 self.address = line.split("listening on ")[1].split(",")[0].strip()
+                self.event_loop = "uvloop" if ", uvloop)" in line else "asyncio"
                 return
         self.stop()
         self.log.seek(0)
@@ -270,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             server = ServerProcess(model, device, w.dtype, w.max_batch_tokens, spin)
             try:
                 served[spin] = asyncio.run(through_server(server.address, engine, w))
+                served[spin]["event_loop"] = server.event_loop
                 served[spin].update(sync_client_latency(server.address, w))
             finally:
                 server.stop()
@@ -312,6 +315,7 @@ def report(info, w, d: dict, served: dict) -> None:
             row += f"{percentiles(res[key])['p50']:>22.3f}{'':>8}"
         print(row)
     print("min cosine, server vs embedded API: " + ", ".join(f"{r['cosine']:.6f}" for r in served.values()))
+    print("server event loop: " + ", ".join(r["event_loop"] for r in served.values()) + "; bench clients: asyncio")
     # A stream keeps the server's batches full (the direct side's) only if enough sequences are
     # outstanding: two batches in flight and the next one queued.
     full = min(256, max(1, w.max_batch_tokens // w.tokens))
