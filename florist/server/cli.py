@@ -81,9 +81,9 @@ async def _serve(engine, config) -> None:
     running = await start_server(engine, config)
     info = engine.info
     metrics = f", metrics on http://{_hostport(config.host, running.metrics_port)}/metrics" if running.metrics_port else ""
-    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]  # asyncio or uvloop
+    loop_name = type(asyncio.get_running_loop()).__module__.split(".")[0]  # asyncio or uvloop
     # NOTE: scripts (bench/server.py) read the port from this line; keep "listening on HOST:PORT".
-    print(f"florist engine-server: {info.model_name} ({info.task}, {info.device}, {info.dtype}, {loop}) listening on {_hostport(config.host, running.port)}{metrics}", flush=True)
+    print(f"florist engine-server: {info.model_name} ({info.task}, {info.device}, {info.dtype}, {loop_name}) listening on {_hostport(config.host, running.port)}{metrics}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
