@@ -5,9 +5,8 @@ Without prometheus_client installed the server still runs, without metrics."""
 
 from __future__ import annotations
 
-from typing import Callable
-
 from bisect import bisect_left
+from typing import Callable
 
 try:
     from prometheus_client import CollectorRegistry, start_http_server
