@@ -154,6 +154,26 @@ def test_info_health_and_metrics(embed_server, default_engine):
         assert name in text, name
 
 
+def test_metrics_count_like_prometheus_histograms():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from florist.server.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    m.watch(lambda: 3, lambda: 96, lambda: 1)
+    for seconds in (0.001, 0.0015, 0.3):  # `le` buckets: 0.001 counts in le="0.001"
+        m.observe_request("Embed", "OK", seconds)
+    m.observe_request("Embed", "CANCELLED", 40.0)
+    m.observe_batch(100, 3)
+    text = prometheus_client.generate_latest(m.registry).decode()
+    for line in ('florist_request_seconds_bucket{le="0.0005",method="Embed"} 0.0', 'florist_request_seconds_bucket{le="0.001",method="Embed"} 1.0',
+                 'florist_request_seconds_bucket{le="0.002",method="Embed"} 2.0', 'florist_request_seconds_bucket{le="30.0",method="Embed"} 3.0',
+                 'florist_request_seconds_bucket{le="+Inf",method="Embed"} 4.0', 'florist_request_seconds_count{method="Embed"} 4.0',
+                 'florist_requests_total{code="OK",method="Embed"} 3.0', 'florist_requests_total{code="CANCELLED",method="Embed"} 1.0',
+                 'florist_batch_tokens_bucket{le="64.0"} 0.0', 'florist_batch_tokens_bucket{le="128.0"} 1.0', "florist_batch_tokens_sum 100.0",
+                 'florist_batch_sequences_bucket{le="4.0"} 1.0', "florist_queue_tokens 96.0", "florist_batches_in_flight 1.0"):
+        assert line in text, line
+
+
 # -- bad input ---------------------------------------------------------------------------------
 def tokens(ids, lens=None) -> "proto.TokenBatch":
     lens = [len(ids)] if lens is None else lens
