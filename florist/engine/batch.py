@@ -115,9 +115,14 @@ class RaggedBatch:
                            single_sequence=self.single_sequence, has_padding=False, uniform_seqlen=1)
 
 
-def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = None) -> np.ndarray:
+def packed_size(num_tokens: int, num_seqs: int, with_types: bool) -> int:
+    return (4 if with_types else 3) * num_tokens + num_seqs + 1
+
+
+def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """Lay a batch out as one int32 array [ids | positions | seq_ids | token_types? | cu_seqlens],
-    padded to `num_tokens` tokens and `num_seqs` sequences:
+    padded to `num_tokens` tokens and `num_seqs` sequences (into `out` when given, e.g. a pinned
+    staging buffer of `packed_size(...)` elements):
 
         ids        t0 t1 t2 u0 u1 | 0  0  0        (padding tokens: id 0)
         seq_ids     0  0  0  1  1 | 2  2  2        (the dummy sequence B = 2 owns the padding)
@@ -128,15 +133,22 @@ def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = 
     if tb < t or bb < b + (tb > t):
         raise ValueError(f"bucket ({tb} tokens, {bb} sequences) cannot hold {t} tokens in {b} sequences plus padding")
     with_types = host.token_type_ids is not None
-    buf = np.zeros(3 * tb + (tb if with_types else 0) + bb + 1, dtype=np.int32)
+    size = packed_size(tb, bb, with_types)
+    if out is None:
+        buf = np.empty(size, dtype=np.int32)
+    else:
+        assert out.shape == (size,) and out.dtype == np.int32, f"out must be int32 [{size}], got {out.dtype} {out.shape}"
+        buf = out
     ids, pos, seq = buf[:tb], buf[tb : 2 * tb], buf[2 * tb : 3 * tb]
     ids[:t] = host.input_ids
+    ids[t:] = 0
     pos[:t] = host.positions()
     pos[t:] = np.arange(tb - t, dtype=np.int32)
     seq[:t] = host.seq_ids()
     seq[t:] = b
     if with_types:
         buf[3 * tb : 3 * tb + t] = host.token_type_ids
+        buf[3 * tb + t : 4 * tb] = 0
     cu = buf[-(bb + 1) :]
     cu[: b + 1] = host.cu_seqlens()
     cu[b + 1 :] = tb

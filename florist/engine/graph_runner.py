@@ -27,7 +27,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from florist.engine.batch import HostBatch, RaggedBatch, pack, views
+from florist.engine.batch import HostBatch, RaggedBatch, pack, packed_size, views
+from florist.engine.staging import InputStaging
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -65,6 +66,9 @@ class GraphRunner:
         self.seen: set[tuple] = set()
         self.pool = None
         self.graph_memory_bytes = 0  # device memory reserved while capturing (reported, not a budget)
+        # Callers keep up to two batches in flight and may launch a third before reading the
+        # first: four pinned input buffers mean refilling one never waits on a running batch.
+        self.staging = InputStaging(device, ring=4)
 
     def applies(self, host: HostBatch) -> bool:
         return host.num_tokens <= self.max_tokens
@@ -73,15 +77,16 @@ class GraphRunner:
         """Device output rows [:B] of the padded batch; launched, not waited on."""
         key = bucket(host)
         host = self._with_token_types(host)
-        packed = torch.from_numpy(pack(host, key[0], key[1])).pin_memory()
+        # Packed straight into a pinned staging buffer: no allocation, one copy to the device.
+        pack(host, key[0], key[1], out=self.staging.buffer(packed_size(key[0], key[1], self.with_types)))
         entry = self.graphs.get(key)
         if entry is None and key in self.seen:
-            entry = self._capture(key, packed)
+            entry = self._capture(key, self.staging.send())
         if entry is None:
             self.seen.add(key)
-            batch = self._views(packed.to(self.device, non_blocking=True), key)
+            batch = self._views(self.staging.send(), key)
             return self.forward(batch)[: host.num_seqs]
-        entry.static_input.copy_(packed, non_blocking=True)
+        self.staging.send(out=entry.static_input)
         entry.graph.replay()
         return entry.output[: host.num_seqs]
 
@@ -102,9 +107,8 @@ class GraphRunner:
         return views(packed, tokens, seqs, self.with_types, max_seqlen=max_seqlen, seq_lens_host=(),
                      single_sequence=seqs == 2, has_padding=not exact_single)
 
-    def _capture(self, key: tuple[int, int, int, bool], packed: torch.Tensor) -> _Graph:
-        static = torch.empty(packed.shape, dtype=torch.int32, device=self.device)
-        static.copy_(packed)
+    def _capture(self, key: tuple[int, int, int, bool], static: torch.Tensor) -> _Graph:
+        """`static`: this batch's packed input, already on the device; it becomes the graph's input buffer."""
         torch.cuda.empty_cache()  # capture empties the cache anyway; measure from the same point
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()

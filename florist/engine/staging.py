@@ -1,4 +1,5 @@
-"""Host <-> device traffic of generation steps through pinned buffers reused every step.
+"""Host <-> device traffic of steps through pinned buffers reused every step (generation and the
+embedding engine's CUDA graphs).
 
     step inputs  packed int32 (numpy) ──memcpy──▶ pinned buffer ──async copy──▶ device buffer
     next ids     device int64 [rows] ──async copy──▶ pinned ring buffer ──event──▶ host list
@@ -7,9 +8,10 @@ No step allocates pinned memory (`pin_memory()` per step costs more than a batch
 host work). Reuse is guarded by CUDA events, so a pinned buffer is rewritten only after the copy
 that read it (inputs), or after the host read it (next ids):
 
-    InputStaging    one buffer; before refilling it, wait for the event recorded after the last
-                    copy out of it (that copy preceded the step whose ids the host has since read,
-                    so the wait returns at once)
+    InputStaging    a ring of buffers (one for generation); before refilling one, wait for the
+                    event recorded after the last copy out of it (for generation that copy
+                    preceded the step whose ids the host has since read; for embedding batches it
+                    is `ring` batches old), so the wait returns at once
     TokenReadback   a ring of two: pipelined decode has at most two steps unread, the one being
                     read and the one launched just before reading it (generator.py); a buffer is
                     reused two reads later
@@ -25,35 +27,59 @@ import torch
 
 
 class InputStaging:
-    """Packed int32 step inputs -> the device, through one reused pinned buffer."""
+    """Packed int32 step inputs -> the device, through a ring of reused pinned buffers.
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._pinned: torch.Tensor | None = None
-        self._pinned_np: np.ndarray | None = None
-        self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of _pinned
+    `ring` bounds how many copies may be in flight at once without a host wait: generation
+    reads every step before packing the next (ring 1 suffices); the embedding engine keeps two
+    batches in flight, and its callers may launch a third before reading the first (ring 4)."""
+
+    def __init__(self, device: torch.device, ring: int = 1):
+        self.device, self.ring = device, ring
+        self._pinned: list[torch.Tensor | None] = [None] * ring
+        self._pinned_np: list[np.ndarray | None] = [None] * ring
+        # recorded after the last copy out of each buffer
+        self._copied: list[torch.cuda.Event | None] = [None] * ring
+        self._slot = 0
+        self._filled = 0
+
+    def buffer(self, n: int) -> np.ndarray:
+        """A host buffer of n int32 to fill, then pass to `send(n)`; on CUDA it is the next
+        pinned buffer of the ring, once the copy that last read it is done."""
+        if self.device.type != "cuda":
+            self._cpu = np.empty(n, dtype=np.int32)
+            return self._cpu
+        i = self._slot = (self._slot + 1) % self.ring
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()  # NOTE: host wait; returns at once (see the class docstring)
+        if self._pinned[i] is None or self._pinned[i].numel() < n:
+            size = max(n, 2 * (0 if self._pinned[i] is None else self._pinned[i].numel()))
+            self._pinned[i] = torch.empty(size, dtype=torch.int32, pin_memory=True)
+            self._pinned_np[i] = self._pinned[i].numpy()
+            self._copied[i] = torch.cuda.Event()
+        self._filled = n
+        return self._pinned_np[i][:n]
+
+    def send(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The buffer just filled, on the device (into `out` when given, e.g. a CUDA graph's
+        static input); the copy is queued on the current stream, not waited on."""
+        n = self._filled
+        if self.device.type != "cuda":
+            src = torch.from_numpy(self._cpu)
+            return src if out is None else out.copy_(src)
+        i = self._slot
+        if out is None:
+            out = torch.empty(n, dtype=torch.int32, device=self.device)
+        out.copy_(self._pinned[i][:n], non_blocking=True)
+        self._copied[i].record()
+        return out
 
     def to_device(self, packed: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`packed` on the device (into `out` when given, e.g. a CUDA graph's static input); the
-        copy is queued on the current stream, not waited on."""
+        """`packed` on the device (into `out` when given); queued, not waited on."""
         if self.device.type != "cuda":
             src = torch.from_numpy(packed)
             return src if out is None else out.copy_(src)
-        n = packed.size
-        if self._pinned is None or self._pinned.numel() < n:
-            if self._copied is not None:
-                self._copied.synchronize()
-            self._pinned = torch.empty(max(n, 2 * (0 if self._pinned is None else self._pinned.numel())), dtype=torch.int32, pin_memory=True)
-            self._pinned_np = self._pinned.numpy()
-            self._copied = torch.cuda.Event()
-        else:
-            self._copied.synchronize()  # NOTE: host wait; returns at once (see the module docstring)
-        self._pinned_np[:n] = packed
-        if out is None:
-            out = torch.empty(n, dtype=torch.int32, device=self.device)
-        out.copy_(self._pinned[:n], non_blocking=True)
-        self._copied.record()
-        return out
+        self.buffer(packed.size)[:] = packed
+        return self.send(out)
 
 
 class PendingTokens:

@@ -49,7 +49,7 @@ from florist.engine.generation.batch import pack_decode, pack_prefill
 from florist.engine.generation.config import GenerationConfig
 from florist.engine.generation.runner import ADVANCE, DECODE, PREFILL, GenerationRunner
 from florist.engine.generation.scheduler import RUNNING, GenerationScheduler, Sequence, Step
-from florist.engine.generation.staging import PendingTokens
+from florist.engine.staging import PendingTokens
 from florist.engine.model_dir import ModelDir
 from florist.text import InputError
 

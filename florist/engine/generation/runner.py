@@ -26,7 +26,7 @@ from florist.engine.generation.batch import advance_decode, decode_batch, prefil
 from florist.engine.generation.config import GenerationConfig
 from florist.engine.generation.decode_graphs import DecodeGraphRunner
 from florist.engine.generation.kv_cache import KVCache, KVCacheSpec
-from florist.engine.generation.staging import InputStaging, PendingTokens, TokenReadback
+from florist.engine.staging import InputStaging, PendingTokens, TokenReadback
 from florist.engine.loader import check_complete, iter_tensors, load_weights, safetensors_files
 from florist.engine.model_dir import ModelDir
 from florist.layers.attention import select_backend
