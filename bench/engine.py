@@ -198,13 +198,30 @@ def latency_breakdown(engine: Engine, name: str, lens: list[int], n: int = 200):
               f"round trip {med(total):.3f} ms", flush=True)
 
 
+def last_token_ab(engine: Engine, name: str, n: int = 100, seqlen: int = 512, reps: int = 10):
+    """100 x 512 embeddings/s with the final layer for the last tokens only (the default for
+    last-token pooling) and for every token, alternating, in one run."""
+    model = engine.runner.model.model
+    if not getattr(model, "last_token_only", False):
+        print(f"{name}: the model reads more than the last token; nothing to compare")
+        return
+    seqs = random_seqs(np.random.default_rng(6), engine.info.vocab_size, [seqlen] * n)
+    rates = {True: [], False: []}
+    for _ in range(reps):
+        for flag in (True, False):
+            model.last_token_only = flag
+            rates[flag].append(n / (statistics.median(time_calls(lambda: florist_embed(engine, seqs), 3, 1)) / 1e3))
+    model.last_token_only = True
+    record(f"{name} {n} x {seqlen}, final layer last tokens only", "emb/s", statistics.median(rates[True]), statistics.median(rates[False]), "emb/s")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny models, CPU, few iterations")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--baseline-iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--only", default="", help="comma list: qwen3,pplx,minilm,stream,threshold,profile,breakdown,minilm-breakdown")
+    ap.add_argument("--only", default="", help="comma list: qwen3,pplx,minilm,stream,threshold,profile,breakdown,minilm-breakdown,lasttoken")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
@@ -225,12 +242,12 @@ def main():
     else:
         rng = np.random.default_rng(3)
         ragged = [int(x) for x in rng.integers(32, 513, size=100)]
-        if want("qwen3") or want("stream") or want("threshold") or want("profile") or want("breakdown"):
+        if want("qwen3") or want("stream") or want("threshold") or want("profile") or want("breakdown") or want("lasttoken"):
             qwen = make_model(tmp / "qwen3", "qwen3-0.6b")
         if want("qwen3"):
             engine = run_geometry("qwen3-0.6b causal", qwen, dtype=torch.bfloat16, device=device, pooling="lasttoken", bidirectional=False,
                                   latency_lens=[128, 512, 4096], batches=[("100 x 512", [512] * 100), ("100 x U(32..512)", ragged)], args=args)
-        elif want("profile") or want("stream") or want("threshold") or want("breakdown"):
+        elif want("profile") or want("stream") or want("threshold") or want("breakdown") or want("lasttoken"):
             engine = Engine.from_pretrained(qwen, device=device)
         else:
             engine = None
@@ -238,6 +255,8 @@ def main():
             profile(engine, "qwen3-0.6b", [[128], [512] * 100])
         if want("breakdown"):
             latency_breakdown(engine, "qwen3-0.6b", [128, 512])
+        if want("lasttoken"):
+            last_token_ab(engine, "qwen3-0.6b")
         if want("stream"):
             step_stream(engine, "qwen3-0.6b", 200, (8, 512))
         if want("threshold"):
