@@ -3,7 +3,7 @@
 A request's path:
 
     HTTP ─▶ app.py (key, size) ─▶ openai.py / completions.py / tei.py / rerank.py (the API's shape, schema.py, inputs.py)
-        ─▶ pipeline.py ─▶ tokenization.py (TextProcessor on a thread pool)
+        ─▶ pipeline.py ─▶ tokenization.py (TextProcessor on a thread pool; on the loop when small)
                        ─▶ dispatch.py (chunks, in order) ─▶ balancer.py (replica per chunk, health) ─▶ gRPC
         ◀─ rows checked (one per input, finite) ◀─ JSON (jsonio.py) ◀─ errors in the API's shape (errors.py)
 
