@@ -45,7 +45,7 @@ def finalize_embeddings(x: np.ndarray, *, dimensions: int | None, normalize: boo
     if encoding == "int8":
         return np.clip(np.rint(np.tanh(x) * 127.0), -128, 127).astype(np.int8)
     if normalize:
-        norms = np.linalg.norm(x, axis=1, keepdims=True)
+        norms = np.sqrt(np.einsum("ij,ij->i", x, x))[:, None]  # np.linalg.norm costs ~4x more on small rows
         x = x / np.maximum(norms, 1e-12)
     if encoding == "ubinary":
         return np.packbits(x > 0, axis=-1)
