@@ -58,7 +58,7 @@ class ServerProcess:
 
     def __init__(self, model: Path, device: str, dtype: str | None, max_batch_tokens: int, spin_ms: float):
         cmd = [sys.executable, "-m", "florist.server", "--model", str(model), "--port", "0", "--device", device,
-               "--max-batch-tokens", str(max_batch_tokens), "--spin-ms", str(spin_ms)]
+               "--max-batch-tokens", str(max_batch_tokens), "--spin-ms", str(spin_ms), "--metrics-port", "0"]
         if dtype:
             cmd += ["--dtype", dtype]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -69,6 +69,7 @@ class ServerProcess:
         for line in self.proc.stdout:
             if "listening on " in line:
                 self.address = line.split("listening on ")[1].split(",")[0].strip()
+                self.metrics_url = line.split("metrics on ")[1].strip() if "metrics on " in line else None
                 self.event_loop = "uvloop" if ", uvloop)" in line else "asyncio"
                 return
         self.stop()
@@ -199,7 +200,33 @@ async def atimes_ms(call, n: int, warmup: int) -> list[float]:
     return out
 
 
-def sync_client_latency(address: str, w) -> dict:
+def scrape(metrics_url: str | None) -> dict[str, float]:
+    """The server's request and batch time totals (sum, count) from its /metrics page."""
+    import urllib.request
+
+    if metrics_url is None:
+        return {}
+    out = {}
+    for line in urllib.request.urlopen(metrics_url, timeout=30).read().decode().splitlines():
+        for key in ('florist_request_seconds_sum{method="Embed"}', 'florist_request_seconds_count{method="Embed"}',
+                    "florist_step_seconds_sum", "florist_step_seconds_count"):
+            if line.startswith(key + " "):
+                out[key.split("{")[0]] = float(line.split()[-1])
+    return out
+
+
+def in_server_ms(before: dict, after: dict) -> dict[str, float]:
+    """Mean time inside the server per Embed request (handler entry to response) and per batch
+    (launch to collection) between two scrapes: how much of the round trip is transport."""
+    out = {}
+    for name, key in (("embed_ms", "florist_request_seconds"), ("step_ms", "florist_step_seconds")):
+        n = after.get(key + "_count", 0) - before.get(key + "_count", 0)
+        if n > 0:
+            out[name] = (after[key + "_sum"] - before[key + "_sum"]) / n * 1e3
+    return out
+
+
+def sync_client_latency(address: str, w, metrics_url: str | None = None) -> dict:
     """Round trips with a plain synchronous gRPC client: a channel and a unary stub."""
     import grpc
 
@@ -213,7 +240,12 @@ def sync_client_latency(address: str, w) -> dict:
             response = rpc["Embed"](proto.EmbedRequest(tokens=wire.encode_tokens([w.latency_seq], proto.TokenBatch)), timeout=600)
             wire.decode_matrix(response.embeddings)
 
-        return {"latency_sync": times_ms(embed, w.latency_n, w.warmup),
+        for _ in range(w.warmup):
+            embed()
+        before = scrape(metrics_url)
+        latency = times_ms(embed, w.latency_n, 0)
+        inside = in_server_ms(before, scrape(metrics_url))
+        return {"latency_sync": latency, "inside_sync": inside,
                 "health_sync": times_ms(lambda: rpc["Health"](proto.HealthRequest(), timeout=600), w.latency_n, w.warmup)}
 
 
@@ -273,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 served[spin] = asyncio.run(through_server(server.address, engine, w))
                 served[spin]["event_loop"] = server.event_loop
-                served[spin].update(sync_client_latency(server.address, w))
+                served[spin].update(sync_client_latency(server.address, w, server.metrics_url))
             finally:
                 server.stop()
         # Direct once more, after the servers: drift (clocks, other work) shows as a difference.
@@ -313,6 +345,12 @@ def report(info, w, d: dict, served: dict) -> None:
         row = f"{f'Health round trip p50, ms, {client} (the gRPC floor)':<66}{'-':>14}"
         for res in served.values():
             row += f"{percentiles(res[key])['p50']:>22.3f}{'':>8}"
+        print(row)
+    for key, label in (("embed_ms", "inside the server per Embed (mean), ms, sync client"), ("step_ms", "its batch, launch to collection (mean), ms")):
+        row = f"{label:<66}{'-':>14}"
+        for res in served.values():
+            v = res.get("inside_sync", {}).get(key)
+            row += f"{(f'{v:.3f}' if v is not None else '-'):>22}{'':>8}"
         print(row)
     print("min cosine, server vs embedded API: " + ", ".join(f"{r['cosine']:.6f}" for r in served.values()))
     print("server event loop: " + ", ".join(r["event_loop"] for r in served.values()) + "; bench clients: asyncio")
