@@ -13,6 +13,7 @@ everything into one int32 buffer and makes one host-to-device copy, so a batch c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +36,7 @@ class HostBatch:
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
 
-    @property
+    @functools.cached_property  # read several times per step (checks, bucket); the batch is frozen
     def max_seqlen(self) -> int:
         return int(self.seq_lens.max()) if self.num_seqs else 0
 
@@ -140,19 +141,37 @@ def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = 
         assert out.shape == (size,) and out.dtype == np.int32, f"out must be int32 [{size}], got {out.dtype} {out.shape}"
         buf = out
     ids, pos, seq = buf[:tb], buf[tb : 2 * tb], buf[2 * tb : 3 * tb]
+    cu = buf[-(bb + 1) :]
+    cu[0] = 0
+    np.cumsum(host.seq_lens, out=cu[1 : b + 1])
+    cu[b + 1 :] = tb
+    count = _arange(max(tb, bb))
     ids[:t] = host.input_ids
     ids[t:] = 0
-    pos[:t] = host.positions()
-    pos[t:] = np.arange(tb - t, dtype=np.int32)
-    seq[:t] = host.seq_ids()
+    if b == 1:  # the common batch-1 case: no repeats needed
+        pos[:t] = count[:t]
+        seq[:t] = 0
+    else:
+        pos[:t] = count[:t] - np.repeat(cu[:b], host.seq_lens)
+        seq[:t] = np.repeat(count[:b], host.seq_lens)
+    pos[t:] = count[: tb - t]
     seq[t:] = b
     if with_types:
         buf[3 * tb : 3 * tb + t] = host.token_type_ids
         buf[3 * tb + t : 4 * tb] = 0
-    cu = buf[-(bb + 1) :]
-    cu[: b + 1] = host.cu_seqlens()
-    cu[b + 1 :] = tb
     return buf
+
+
+_ARANGE = np.arange(0, dtype=np.int32)
+
+
+def _arange(n: int) -> np.ndarray:
+    """0, 1, ..., n-1 (int32) from one cached array: pack() runs on every batch's hot path."""
+    global _ARANGE
+    if _ARANGE.shape[0] < n:
+        _ARANGE = np.arange(max(n, 2 * _ARANGE.shape[0]), dtype=np.int32)
+        _ARANGE.setflags(write=False)
+    return _ARANGE
 
 
 def views(packed: torch.Tensor, num_tokens: int, num_seqs: int, with_types: bool, *, max_seqlen: int, seq_lens_host: tuple[int, ...], single_sequence: bool, uniform_seqlen: int = 0, has_padding: bool = False) -> RaggedBatch:

@@ -149,7 +149,10 @@ class Engine:
             raise InputError("a batch needs at least one sequence, and every sequence at least one token")
         if batch.max_seqlen > self.model_dir.config.max_position_embeddings:
             raise InputError(f"a sequence has {batch.max_seqlen} tokens; the model's positions stop at {self.model_dir.config.max_position_embeddings}")
-        if int(batch.input_ids.min()) < 0 or int(batch.input_ids.max()) >= self.info.vocab_size:
+        # One reduction: a negative id read as uint32 is >= 2**31, so it fails the bound too.
+        ids = batch.input_ids
+        widened = ids.view(np.uint32) if ids.dtype == np.int32 else ids.astype(np.int64) % (1 << 63)
+        if batch.num_tokens and int(widened.max()) >= self.info.vocab_size:
             raise InputError(f"token ids must lie in [0, {self.info.vocab_size})")
         return self.runner.step(batch)
 
