@@ -150,3 +150,16 @@ def test_step_checks_ids_and_lengths_on_the_host(default_engine):
     for seqs, message in [([[101, 30522]], "token ids"), ([[101] * 513], "positions stop at 512"), ([[-1]], "token ids")]:
         with pytest.raises(InputError, match=message):
             default_engine.step(HostBatch.from_sequences(seqs))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_step_refuses_ids_out_of_range_in_any_int_dtype(bert_dir, dtype):
+    from florist.engine.batch import HostBatch
+
+    engine = florist.Engine.from_pretrained(bert_dir, device="cpu")
+    vocab = engine.info.vocab_size
+    for bad in (-1, vocab, -(2**31)):
+        host = HostBatch(np.array([5, bad, 7], dtype=dtype), np.array([3], dtype=np.int32))
+        with pytest.raises(InputError, match="token ids must lie"):
+            engine.step(host)
+    engine.step(HostBatch(np.array([5, vocab - 1], dtype=dtype), np.array([2], dtype=np.int32))).numpy()

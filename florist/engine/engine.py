@@ -150,9 +150,12 @@ class Engine:
         if batch.max_seqlen > self.model_dir.config.max_position_embeddings:
             raise InputError(f"a sequence has {batch.max_seqlen} tokens; the model's positions stop at {self.model_dir.config.max_position_embeddings}")
         # One reduction: a negative id read as uint32 is >= 2**31, so it fails the bound too.
-        ids = batch.input_ids
-        widened = ids.view(np.uint32) if ids.dtype == np.int32 else ids.astype(np.int64) % (1 << 63)
-        if batch.num_tokens and int(widened.max()) >= self.info.vocab_size:
+        ids, vocab = batch.input_ids, self.info.vocab_size
+        if ids.dtype == np.int32:
+            out_of_range = int(ids.view(np.uint32).max()) >= vocab
+        else:
+            out_of_range = int(ids.min()) < 0 or int(ids.max()) >= vocab
+        if out_of_range:
             raise InputError(f"token ids must lie in [0, {self.info.vocab_size})")
         return self.runner.step(batch)
 
