@@ -81,12 +81,13 @@ def pick_config(m: int, n: int, k: int, silu_mul: bool = False, gelu: bool = Fal
       - narrow output, long K (Qwen3 o 1024 x 2048, down 1024 x 3072; split K 4): 5.4 vs 12.7 us
         and 6.2 vs 7.5 at 1 row (cuBLAS picks a poor kernel for M = 1), 6.4 vs 7.9 for down at 64;
       - short K (all-MiniLM-L6-v2, K = 384): 2.4-3.1 vs 2.8-3.5 us.
-      - short K with GELU fused (all-MiniLM-L6-v2's 1536 x 384 up projection) up to 256 rows:
-        3.7 us at 128 rows against 3.5 us for cuBLAS plus ~3 us for the separate GELU kernel.
+      - short K with GELU fused (all-MiniLM-L6-v2's 1536 x 384 up projection) up to 128 rows:
+        4.0 us at 128 rows against 5.4 us for cuBLAS plus the separate GELU kernel (at 256 rows
+        the kernel loses: 6.4 against 5.7 us).
     Qwen3's qkv (4096 x 1024) and the LM head stay with cuBLAS (it is as fast or faster), and
     above 64 rows cuBLAS' tensor-core tiles win every other shape measured.
     """
-    if gelu and k <= 512 and 64 < m <= 256:
+    if gelu and k <= 512 and 64 < m <= 128:
         return GemmConfig(128, 16, 128, 1, 4, 4)
     if m > 64:
         return None
