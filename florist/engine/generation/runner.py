@@ -10,9 +10,9 @@ every rank writes the same cache slots and computes the same next ids; only rank
     read_back(ids, B)      -> PendingTokens     async copy to pinned memory + event (rank 0 only)
 
 Nothing here waits for the device: inputs go through a reused pinned buffer
-(florist/engine/staging.py) and the host reads next ids only through `read_back`. `decode_next` is how rank 0 launches step N+1
-before it has read step N's ids (generator.py); every rank holds the same last decode buffer and
-next ids, so the ranks advance identically and stay in lockstep.
+(florist/engine/staging.py) and the host reads next ids only through `read_back`. `decode_next`
+is how rank 0 launches step N+1 before it has read step N's ids (generator.py); every rank holds
+the same last decode buffer and next ids, so the ranks advance identically and stay in lockstep.
 """
 
 from __future__ import annotations
