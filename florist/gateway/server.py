@@ -23,6 +23,7 @@ from florist.gateway.dispatch import ChunkLimits, Dispatcher
 from florist.gateway.metrics import GatewayMetrics
 from florist.gateway.pipeline import Pipeline
 from florist.gateway.tokenization import Tokenization, load_text_processor
+from florist.gcfreeze import freeze_startup_objects
 from florist.loop_thread import LoopThread
 
 
@@ -78,6 +79,7 @@ def run_loop(main) -> None:
 async def serve_until_signal(config: GatewayConfig, on_ready: Callable[[RunningGateway], None], also: Callable[[], asyncio.Future] | None = None) -> None:
     """Serve until SIGINT / SIGTERM (or until `also()` finishes, e.g. a supervisor giving up)."""
     running = await start_gateway(config)
+    freeze_startup_objects()  # a worker's start-up objects stay for good: no full-GC pauses later
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -76,9 +76,11 @@ def _run_loop(main) -> None:
 
 
 async def _serve(engine, config) -> None:
+    from florist.gcfreeze import freeze_startup_objects
     from florist.server.service import _hostport, start_server
 
     running = await start_server(engine, config)
+    freeze_startup_objects()  # the model, grpc and the server stay for good: no full-GC pauses later
     info = engine.info
     metrics = f", metrics on http://{_hostport(config.host, running.metrics_port)}/metrics" if running.metrics_port else ""
     loop_name = type(asyncio.get_running_loop()).__module__.split(".")[0]  # asyncio or uvloop
