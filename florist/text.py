@@ -87,10 +87,7 @@ class TextProcessor:
         if self.pipeline.do_lower_case:
             texts = [t.lower() for t in texts]
         tok = self._trunc[direction] if truncate else self._plain
-        # One text: `encode` runs on this thread; `encode_batch` hands even one text to the
-        # tokenizer's thread pool, which costs more than the text on a many-core host.
-        encodings = [tok.encode(texts[0])] if len(texts) == 1 else tok.encode_batch(texts)
-        out = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+        out = [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(texts)]
         if not truncate:
             for i, ids in enumerate(out):
                 if len(ids) > self.max_tokens:
