@@ -87,6 +87,8 @@ class TextProcessor:
         if self.pipeline.do_lower_case:
             texts = [t.lower() for t in texts]
         tok = self._trunc[direction] if truncate else self._plain
+        # NOTE: encode_batch even for one text: it releases the GIL while it works and encode()
+        # does not, so the gateway's tokenizer threads would stall its event loop.
         out = [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(texts)]
         if not truncate:
             for i, ids in enumerate(out):
