@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,9 +26,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from florist.kernels import activation, skinny_gemm  # noqa: E402
 from florist.kernels.skinny_gemm import GemmConfig  # noqa: E402
+from kernels import time_in_graph  # noqa: E402  (bench/kernels.py)
 
 PEAK_BYTES_PER_S = 4.2e12
 # name, N (weight rows), K, SwiGLU fused; "+gelu" shapes fuse exact GELU
@@ -48,29 +49,10 @@ SHAPES = [
 
 
 def time_graph(fn, copies: int, replays: int = 20) -> float:
-    """Median us per call of fn(i) for i in range(copies), captured in one graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):  # warm-up outside the graph (compiles, allocates)
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / copies)
-    del graph
-    return statistics.median(times)
+    """Median us per call of fn(i) over i = 0 .. copies-1 (one distinct weight each), captured
+    in one CUDA graph (bench/kernels.py's timing)."""
+    index = itertools.count()
+    return time_in_graph(lambda: fn(next(index) % copies), copies, replays)
 
 
 def sweep_configs(m: int, silu_mul: bool) -> list[GemmConfig]:

@@ -25,14 +25,19 @@ def lm_dir(tmp_path_factory):
     return make_causal_lm(tmp_path_factory.mktemp("qwen3-causal-lm-gpu"), tie=True)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])  # bf16: FlashAttention decode; fp32: the torch path
-def test_decode_graph_replay_equals_eager(lm_dir, dtype):
+def _five_prefilled(lm_dir, dtype):
+    """A generator (and its runner) with five prompts of different lengths prefilled, ready to decode."""
     engine = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype=dtype, generation=GenerationConfig(max_num_seqs=8, max_model_len=256))
-    gen, runner = engine.runner, engine.runner.runner
+    gen = engine.runner
     for p in prompts_for(lm_dir, (3, 17, 40, 9, 64)):
         gen.submit(p, NEW_TOKENS)
     gen.step()  # prefill all five
-    seqs = list(gen.scheduler.running)
+    return gen, gen.runner, list(gen.scheduler.running)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])  # bf16: FlashAttention decode; fp32: the torch path
+def test_decode_graph_replay_equals_eager(lm_dir, dtype):
+    gen, runner, seqs = _five_prefilled(lm_dir, dtype)
     rows = runner.decode_rows(len(seqs))
     assert rows == 8
     packed = pack_decode([s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs], [s.slot for s in seqs], rows, runner.scratch_slot)
@@ -51,12 +56,7 @@ def test_decode_graph_replay_equals_eager(lm_dir, dtype):
 def test_decode_next_advances_on_the_device_like_host_packing(lm_dir, dtype):
     """decode_next (the pipelined step: ids and positions advanced in place in the graph's static
     input) computes what eager decode computes from host-packed inputs, bit for bit, k/v included."""
-    engine = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype=dtype, generation=GenerationConfig(max_num_seqs=8, max_model_len=256))
-    gen, runner = engine.runner, engine.runner.runner
-    for p in prompts_for(lm_dir, (3, 17, 40, 9, 64)):
-        gen.submit(p, NEW_TOKENS)
-    gen.step()  # prefill all five
-    seqs = list(gen.scheduler.running)
+    gen, runner, seqs = _five_prefilled(lm_dir, dtype)
     b, rows, scratch = len(seqs), runner.decode_rows(len(seqs)), runner.scratch_slot
     tokens, positions, slots = [s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs], [s.slot for s in seqs]
     steps = 6  # eager first sight, then capture and replays: all but the first advanced on the device
