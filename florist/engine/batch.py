@@ -55,13 +55,6 @@ class HostBatch:
         np.cumsum(self.seq_lens[:-1], out=starts[1:])
         return np.arange(self.num_tokens, dtype=np.int32) - np.repeat(starts, self.seq_lens)
 
-    def cu_seqlens(self) -> np.ndarray:
-        cu = np.zeros(self.num_seqs + 1, dtype=np.int32)
-        np.cumsum(self.seq_lens, out=cu[1:])
-        return cu
-
-    def seq_ids(self) -> np.ndarray:
-        return np.repeat(np.arange(self.num_seqs, dtype=np.int32), self.seq_lens)
 
 
 def segment_ids(seq_lens: np.ndarray, first_segment_lens: np.ndarray) -> np.ndarray:

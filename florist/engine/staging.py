@@ -75,9 +75,6 @@ class InputStaging:
 
     def to_device(self, packed: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
         """`packed` on the device (into `out` when given); queued, not waited on."""
-        if self.device.type != "cuda":
-            src = torch.from_numpy(packed)
-            return src if out is None else out.copy_(src)
         self.buffer(packed.size)[:] = packed
         return self.send(out)
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from florist.kernels.activation import silu_and_mul
+
 try:
     import triton
     import triton.language as tl
@@ -118,13 +120,16 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
                 gelu: bool = False, config: GemmConfig | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias); with silu_mul, silu(y[:, :I]) * y[:, I:]; with gelu, exact
-    (erf) GELU of y. Triton where it applies and `pick_config` (or `config`) chooses it, else the
-    torch reference."""
+    (erf) GELU of y. The Triton kernel where it applies and `pick_config` (or `config`) chooses
+    it; else F.linear, then the activation as its own op (the fused SwiGLU kernel on CUDA)."""
     if applies(x, weight):
         config = config or pick_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul, gelu)
         if config is not None:
             return skinny_gemm_triton(x, weight, bias, silu_mul, config, gelu)
-    return skinny_gemm_ref(x, weight, bias, silu_mul, gelu)
+    y = F.linear(x, weight, bias)
+    if silu_mul:
+        return silu_and_mul(y)
+    return F.gelu(y) if gelu else y
 
 
 def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, config: GemmConfig,

@@ -12,24 +12,17 @@ shard of a checkpoint tensor into place, so the weight loader never needs to kno
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from florist.distributed import all_reduce, tp_rank, tp_size
 from florist.kernels import skinny_gemm
-from florist.kernels.activation import silu_and_mul
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
     """F.linear (then exact GELU with `gelu`), except for few rows on CUDA, where the skinny-M
     kernel streams the weight faster and applies the GELU in its epilogue
     (florist/kernels/skinny_gemm.py: which shapes, and the measurements behind them)."""
-    if skinny_gemm.applies(x, weight):
-        config = skinny_gemm.pick_config(x.shape[0], weight.shape[0], weight.shape[1], gelu=gelu)
-        if config is not None:
-            return skinny_gemm.skinny_gemm_triton(x, weight, bias, False, config, gelu)
-    y = F.linear(x, weight, bias)
-    return F.gelu(y) if gelu else y
+    return skinny_gemm.skinny_gemm(x, weight, bias, gelu=gelu)
 
 
 def _divide(numerator: int, denominator: int, what: str = "a layer size") -> int:
@@ -104,11 +97,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         for few rows on CUDA (the [T, 2I] projection is never written), else matmul + SwiGLU."""
         if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
             raise ValueError(f"SwiGLU needs two equal parts (gate, up); this layer has {self.output_sizes}")
-        if skinny_gemm.applies(x, self.weight):
-            config = skinny_gemm.pick_config(x.shape[0], self.weight.shape[0], self.weight.shape[1], silu_mul=True)
-            if config is not None:
-                return skinny_gemm.skinny_gemm_triton(x, self.weight, self.bias, True, config)
-        return silu_and_mul(F.linear(x, self.weight, self.bias))
+        return skinny_gemm.skinny_gemm(x, self.weight, self.bias, silu_mul=True)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -27,12 +27,11 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.token_type_embeddings = nn.Embedding(max(cfg.type_vocab_size, 1), cfg.hidden_size)
         self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.norm_eps)
+        if self.word_embeddings.tp_size > 1:
+            # The fused embedding kernel reads the whole word table; embedding models run on one device.
+            raise ValueError("BERT models run on one device (tensor parallel size 1)")
 
     def forward(self, batch: RaggedBatch) -> torch.Tensor:
-        if self.word_embeddings.tp_size > 1:  # (BERT runs on one device; kept for completeness)
-            x = self.word_embeddings(batch.input_ids) + self.position_embeddings(batch.positions)
-            x = x + (self.token_type_embeddings(batch.token_type_ids) if batch.token_type_ids is not None else self.token_type_embeddings.weight[0])
-            return self.LayerNorm(x)
         # Gathers, sums and LayerNorm in one kernel on CUDA (kernels/embeddings.py).
         return embed_layer_norm(batch.input_ids, batch.positions, batch.token_type_ids, self.word_embeddings.weight,
                                 self.position_embeddings.weight, self.token_type_embeddings.weight,

@@ -72,11 +72,13 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
+    def _norm_in(self, x: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:  # the first layer: its input is the residual stream
+            return self.input_layernorm(x), x
+        return self.input_layernorm(x, residual)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: RaggedBatch):
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self._norm_in(x, residual)
         x = self.self_attn(x, batch)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -85,10 +87,7 @@ class Qwen3DecoderLayer(nn.Module):
         """The layer for each sequence's last token only (its keys/values still come from every
         token): [T, H] in, [B, H] out. Everything after attention is per token, so computing it
         for B rows instead of T gives those rows exactly."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self._norm_in(x, residual)
         last = batch.last_token_index()
         x = self.self_attn.forward_last(x, batch, last)
         x, residual = self.post_attention_layernorm(x, residual[last])
