@@ -51,7 +51,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -246,13 +245,9 @@ class Proc:
         raise RuntimeError(f"the {self.name} server did not start (exit {self.proc.poll()}):\n{''.join(self.lines)[-4000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from florist.gateway.processes import terminate
+
+        terminate([self.proc], 30)
 
 
 def start_servers(model: dict, args) -> dict[str, Proc]:

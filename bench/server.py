@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -77,13 +76,9 @@ class ServerProcess:
         raise RuntimeError(f"the server did not start:\n{self.log.read()[-4000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from florist.gateway.processes import terminate
+
+        terminate([self.proc], 30)
 
 
 # -- direct step() ------------------------------------------------------------------------------
