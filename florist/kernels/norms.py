@@ -201,14 +201,22 @@ def _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh
 
 
 @_jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
-                     num_rows, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+def _row_tile(num_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """This program's block of rows: row and column indices, the in-bounds mask and the offsets
+    into a contiguous [num_rows, n_cols] output."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     col_ok = cols < n_cols
     mask = (rows < num_rows)[:, None] & col_ok[None, :]
     out_offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    return rows, cols, col_ok, mask, out_offs
+
+
+@_jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+                     num_rows, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    rows, cols, col_ok, mask, out_offs = _row_tile(num_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     x = _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, HAS_RESIDUAL)
     if HAS_RESIDUAL:
         tl.store(sum_ptr + out_offs, x, mask=mask)
@@ -225,11 +233,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
 def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr,
                        num_rows, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
                        HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_COLS)
-    col_ok = cols < n_cols
-    mask = (rows < num_rows)[:, None] & col_ok[None, :]
-    out_offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    rows, cols, col_ok, mask, out_offs = _row_tile(num_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     x = _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, HAS_RESIDUAL)
     x = x.to(tl.float32)
     # Two passes over registers (mean, then centred variance): as accurate as torch's Welford.
