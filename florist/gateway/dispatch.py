@@ -74,13 +74,7 @@ class Dispatcher:
         deadline = time.monotonic() + self.timeout_s
         cost = len(prompt_ids) + max_tokens  # what the sequence will hold in the replica's cache
         while True:
-            replica = self.balancer.pick(exclude=tried)
-            if replica is None:
-                raise self._exhausted(tried, overloaded)
-            tried.append(replica)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ApiError(504, f"the engines did not answer within {self.timeout_s:.0f} s; retry, or ask for fewer tokens")
+            replica, remaining = self._next_replica(tried, overloaded, deadline, "ask for fewer tokens")
             replica.outstanding_tokens += cost
             received = 0
             stream = replica.client.generate(prompt_ids, max_tokens=max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, timeout=remaining)
@@ -131,13 +125,7 @@ class Dispatcher:
         tried: list[Replica] = []
         overloaded = False
         while True:
-            replica = self.balancer.pick(exclude=tried)
-            if replica is None:
-                raise self._exhausted(tried, overloaded)
-            tried.append(replica)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ApiError(504, f"the engines did not answer within {self.timeout_s:.0f} s; retry, or send fewer inputs per request")
+            replica, remaining = self._next_replica(tried, overloaded, deadline, "send fewer inputs per request")
             replica.outstanding_tokens += num_tokens
             try:
                 rows = await call(replica.client, seqs, first, remaining)
@@ -157,6 +145,18 @@ class Dispatcher:
             if rows.shape[0] != len(seqs):
                 raise ApiError(502, f"an engine replica answered {rows.shape[0]} rows for {len(seqs)} sequences; the response was dropped, retry the request")
             return rows
+
+    def _next_replica(self, tried: list[Replica], overloaded: bool, deadline: float, fewer: str) -> tuple[Replica, float]:
+        """The least loaded replica not tried yet (added to `tried`) and the seconds left; raises
+        the request's error when none is left or the deadline has passed."""
+        replica = self.balancer.pick(exclude=tried)
+        if replica is None:
+            raise self._exhausted(tried, overloaded)
+        tried.append(replica)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ApiError(504, f"the engines did not answer within {self.timeout_s:.0f} s; retry, or {fewer}")
+        return replica, remaining
 
     def _retried(self, reason: str) -> None:
         if self.metrics is not None:
