@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from geometries import make_model  # noqa: E402
-from report import ROWS, percentiles, record, sync, time_calls  # noqa: E402
+from report import print_summary, percentiles, record, sync, time_calls  # noqa: E402
 
 from florist import Engine  # noqa: E402
 from florist.engine.batch import HostBatch  # noqa: E402
@@ -78,7 +77,7 @@ def run_geometry(name: str, path: Path, *, dtype, device, pooling, bidirectional
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(path, device=device, dtype=dtype)
-    first = florist_embed(engine, random_seqs(rng, engine.info.vocab_size, [16]))
+    florist_embed(engine, random_seqs(rng, engine.info.vocab_size, [16]))  # the first result ends start-up
     startup_s = time.perf_counter() - t0
     record(f"{name} start-up to first result", "seconds", startup_s, None, "s")
     hf = HFBaseline(baseline_path or path, dtype, device, pooling, bidirectional) if not args.no_baseline else None
@@ -286,13 +285,7 @@ def main():
         if want("minilm-breakdown"):
             minilm = make_model(tmp / "minilm", "minilm-l6", dtype=torch.float16)
             latency_breakdown(Engine.from_pretrained(minilm, device=device, dtype=torch.float16), "all-MiniLM-L6-v2 fp16", [128])
-    if args.json:
-        Path(args.json).write_text(json.dumps(ROWS, indent=1, default=str))
-    print("\n== summary ==")
-    for r in ROWS:
-        s = f"{r['speedup']:.2f}x" if r["speedup"] else ""
-        b = f"{r['transformers']:.3f}" if r["transformers"] is not None else "-"
-        print(f"{r['scenario']:48s} {r['metric']:9s} florist {r['florist']:10.3f}  transformers {b:>10s} {r['unit']:6s} {s}")
+    print_summary(args.json)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ within a small logit margin of it (bf16, where the two stacks round differently)
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from geometries import make_model  # noqa: E402
-from report import ROWS, record, sync  # noqa: E402
+from report import print_summary, record, sync  # noqa: E402
 
 from florist import Engine  # noqa: E402
 from florist.engine.generation.config import GenerationConfig  # noqa: E402
@@ -159,13 +158,7 @@ def main():
         run(path, name="qwen3-0.6b bf16", dtype=torch.bfloat16, device=device, prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
             hf_decode_tokens=args.hf_decode_tokens, batch=args.batch, batch_new_tokens=args.batch_new_tokens, repeats=args.repeats,
             margin=args.margin, baseline=not args.no_baseline)
-    if args.json:
-        Path(args.json).write_text(json.dumps(ROWS, indent=1, default=str))
-    print("\n== summary ==")
-    for r in ROWS:
-        s = f"{r['speedup']:.1f}x" if r["speedup"] else ""
-        b = f"{r['transformers']:.3f}" if r["transformers"] is not None else "-"
-        print(f"{r['scenario']:48s} {r['metric']:9s} florist {r['florist']:10.3f}  transformers {b:>10s} {r['unit']:9s} {s}")
+    print_summary(args.json)
 
 
 if __name__ == "__main__":

@@ -45,3 +45,17 @@ def time_calls(fn, n: int, warmup: int) -> list[float]:
         fn()
         out.append((time.perf_counter() - t) * 1e3)
     return out
+
+
+def print_summary(json_path: str | None = None) -> None:
+    """Every row recorded so far, once more at the end of a run (and to `json_path` as JSON)."""
+    import json
+    from pathlib import Path
+
+    if json_path:
+        Path(json_path).write_text(json.dumps(ROWS, indent=1, default=str))
+    print("\n== summary ==")
+    for r in ROWS:
+        s = f"{r['speedup']:.2f}x" if r["speedup"] else ""
+        b = f"{r['transformers']:.3f}" if r["transformers"] is not None else "-"
+        print(f"{r['scenario']:48s} {r['metric']:9s} florist {r['florist']:10.3f}  transformers {b:>10s} {r['unit']:9s} {s}")

@@ -42,3 +42,16 @@ def pplx_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reranker_dir(tmp_path_factory):
     return tiny.make_qwen3_reranker(tmp_path_factory.mktemp("qwen3-reranker"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a module: where an engine thread (a server, a job's reader and
+    writer) shares the small CPU with the test, more OpenMP threads only spin against each other
+    (tens of times slower on a busy machine); one thread is faster and deterministic."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

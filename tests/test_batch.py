@@ -28,15 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # NOTE: on a small, shared CPU, torch's OpenMP threads spin against the job's reader and
-    # writer threads (and other processes); one thread is many times faster and deterministic.
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _torch_on_one_thread(one_torch_thread):
+    """conftest.one_torch_thread for every test here."""
 
 
 @pytest.fixture(scope="module")

@@ -33,15 +33,8 @@ def random_request(rng, vocab: int, max_len: int, n_seqs: int | None = None) -> 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The server's engine thread and the test's own calls share the cores; with more threads
-    each, OpenMP threads spin waiting for each other (tens of times slower on a busy machine)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _torch_on_one_thread(one_torch_thread):
+    """conftest.one_torch_thread for every test here."""
 
 
 @pytest.fixture(scope="module")
