@@ -1,13 +1,18 @@
-"""Attention backends on the Qwen3-0.6B head geometry (16 query / 8 kv heads, head_dim 128), bf16.
+"""Attention backends on a model's head geometry: Qwen3-0.6B (16 query / 8 kv heads, head_dim 128,
+bf16; the default) or all-MiniLM-L6-v2 (12 heads, head_dim 32, fp16).
 
 Times one layer's attention for the shapes the engine sees, for every backend that applies, so the
-"auto" policy in florist/layers/attention.py is chosen from measurements:
+"auto" policy in florist/layers/attention.py is chosen from measurements (among them where the
+Triton short-sequence kernel, column "triton", wins: SHORT_MAX_SEQLEN / SHORT_MAX_TOKENS there).
+Each call is timed inside a CUDA graph, as the engine runs it (`--eager` times plain launches,
+which for microsecond kernels mostly measures the host's launch cost):
 
-    python bench/attention.py
+    python bench/attention.py [--geometry minilm-l6] [--eager]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -19,73 +24,100 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from florist.engine.batch import HostBatch, to_device  # noqa: E402
 from florist.layers.attention import select_backend  # noqa: E402
 
-HQ, HKV, D = 16, 8, 128
+# name: (query heads, kv heads, head_dim, dtype)
+GEOMETRIES = {"qwen3-0.6b": (16, 8, 128, torch.bfloat16), "minilm-l6": (12, 12, 32, torch.float16)}
+BACKENDS = ("varlen", "triton", "flash", "cudnn", "efficient")
+CALLS_PER_GRAPH = 20
 
 
-def timed(fn, iters=30):
+def timed(fn, iters=30, graph=True):
+    """Median ms per call; with `graph`, CALLS_PER_GRAPH calls captured in one CUDA graph."""
     for _ in range(3):
-        fn()
+        fn()  # also compiles Triton kernels before any capture
     torch.cuda.synchronize()
+    calls = 1
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(CALLS_PER_GRAPH):
+                fn()
+        run, calls = g.replay, CALLS_PER_GRAPH
+        run()
+    else:
+        run = fn
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        run()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / calls)
     return statistics.median(times)
 
 
-def sdpa_batched(kind):
+def sdpa_batched(kind, hq, hkv, d):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[kind]
 
     def run(q, k, v, lens, causal):
         b, n = len(lens), lens[0]
-        qs = q.view(b, n, HQ, D).transpose(1, 2)
-        ks = k.view(b, n, HKV, D).transpose(1, 2)
-        vs = v.view(b, n, HKV, D).transpose(1, 2)
+        qs = q.view(b, n, hq, d).transpose(1, 2)
+        ks = k.view(b, n, hkv, d).transpose(1, 2)
+        vs = v.view(b, n, hkv, d).transpose(1, 2)
         with sdpa_kernel([backend]):
             try:
-                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=True)
+                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=hq != hkv)
             except RuntimeError:
-                ks, vs = ks.repeat_interleave(HQ // HKV, 1), vs.repeat_interleave(HQ // HKV, 1)
+                ks, vs = ks.repeat_interleave(hq // hkv, 1), vs.repeat_interleave(hq // hkv, 1)
                 return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
 
     return run
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="qwen3-0.6b")
+    ap.add_argument("--eager", action="store_true", help="time plain launches instead of CUDA graph replays")
+    args = ap.parse_args()
+    hq, hkv, d, dtype = GEOMETRIES[args.geometry]
     dev = torch.device("cuda")
-    varlen = select_backend("varlen", dev)
-    shapes = [("1 x 128", [128]), ("1 x 512", [512]), ("1 x 4096", [4096]), ("100 x 512", [512] * 100), ("8 x 512", [512] * 8)]
+    varlen, short = select_backend("varlen", dev), select_backend("triton", dev)
+    # Short shapes on both sides of the "auto" bounds (256 tokens per sequence, 1024 per batch).
+    shapes = [("1 x 64", [64]), ("1 x 128", [128]), ("1 x 256", [256]), ("1 x 512", [512]), ("1 x 4096", [4096]),
+              ("8 x 128", [128] * 8), ("16 x 128", [128] * 16), ("ragged 4 <= 200", [200, 37, 101, 9]),
+              ("100 x 512", [512] * 100), ("8 x 512", [512] * 8)]
     rows = []
     for causal in (True, False):
         for label, lens in shapes:
             t = sum(lens)
-            q = torch.randn(t, HQ, D, device=dev, dtype=torch.bfloat16)
-            k = torch.randn(t, HKV, D, device=dev, dtype=torch.bfloat16)
-            v = torch.randn(t, HKV, D, device=dev, dtype=torch.bfloat16)
+            q = torch.randn(t, hq, d, device=dev, dtype=dtype)
+            k = torch.randn(t, hkv, d, device=dev, dtype=dtype)
+            v = torch.randn(t, hkv, d, device=dev, dtype=dtype)
             batch = to_device(HostBatch.from_sequences([[0] * n for n in lens]), dev)
-            flops = sum(4 * n * n * D * HQ for n in lens) / (2 if causal else 1)
-            res = {"varlen": timed(lambda: varlen(q, k, v, batch, causal, D**-0.5))}
-            ref = varlen(q, k, v, batch, causal, D**-0.5)
-            for kind in ("flash", "cudnn", "efficient"):
-                fn = sdpa_batched(kind)
+            flops = sum(4 * n * n * d * hq for n in lens) / (2 if causal else 1)
+            res = {"varlen": timed(lambda: varlen(q, k, v, batch, causal, d**-0.5), graph=not args.eager)}
+            ref = varlen(q, k, v, batch, causal, d**-0.5)
+            candidates = {"triton": lambda q, k, v, lens, causal: short(q, k, v, batch, causal, d**-0.5)}
+            candidates.update({kind: sdpa_batched(kind, hq, hkv, d) for kind in ("flash", "cudnn", "efficient")})
+            for kind, fn in candidates.items():
                 try:
-                    out = fn(q, k, v, lens, causal).transpose(1, 2).reshape(t, HQ, D)
+                    out = fn(q, k, v, lens, causal)
+                    out = out if kind == "triton" else out.transpose(1, 2).reshape(t, hq, d)
                     err = (out.float() - ref.float()).abs().max().item()
-                    res[kind] = timed(lambda: fn(q, k, v, lens, causal)) if err < 2e-2 else float("nan")
+                    res[kind] = timed(lambda: fn(q, k, v, lens, causal), graph=not args.eager) if err < 2e-2 else float("nan")
+                    if err >= 2e-2:
+                        print(f"{kind} {label}: max error {err:.3g} against varlen; not timed")
                 except RuntimeError as e:
                     res[kind] = float("nan")
                     print(f"{kind} {label}: {str(e)[:80]}")
             best = min((v_, k_) for k_, v_ in res.items() if v_ == v_)
             rows.append((("causal" if causal else "bidir") + " " + label, res, flops / best[0] / 1e9, best[1]))
-    print(f"\n{'shape':22s} " + " ".join(f"{k:>10s}" for k in ("varlen", "flash", "cudnn", "efficient")) + "   best TFLOP/s")
+    print(f"\n{args.geometry}, {str(dtype).removeprefix('torch.')}, ms per call ({'eager' if args.eager else 'CUDA graph'})")
+    print(f"{'shape':22s} " + " ".join(f"{k:>10s}" for k in BACKENDS) + "   best TFLOP/s")
     for label, res, tflops, best in rows:
-        print(f"{label:22s} " + " ".join(f"{res.get(k, float('nan')):10.4f}" for k in ("varlen", "flash", "cudnn", "efficient")) + f"   {best} {tflops:.0f}")
+        print(f"{label:22s} " + " ".join(f"{res.get(k, float('nan')):10.4f}" for k in BACKENDS) + f"   {best} {tflops:.0f}")
 
 
 if __name__ == "__main__":

@@ -118,20 +118,64 @@ def _sdpa_batched(q, k, v, num_seqs: int, seqlen: int, causal: bool, scale: floa
     return out.transpose(1, 2).reshape(q.shape)
 
 
+@register_backend("triton")
+def _triton_backend() -> AttentionFn:
+    """florist/kernels/short_attention.py: one Triton launch for the whole ragged batch, no
+    memset; meant for short sequences (it streams each sequence's keys through one program per
+    BLOCK_M query rows). On the CPU it runs the kernel's torch reference."""
+    from florist.kernels import short_attention as short
+
+    def attn(q, k, v, batch: RaggedBatch, causal: bool, scale: float) -> torch.Tensor:
+        # NOTE: on CUDA the reference would read cu_seqlens back (not capturable): refuse instead.
+        if q.is_cuda and not short.applies(q, k, v, batch.cu_seqlens):
+            raise ValueError(f"attention backend 'triton' cannot run q {q.dtype} {tuple(q.shape)} (it needs triton, fp16/bf16/fp32, "
+                             f"head_dim <= {short.MAX_HEAD_DIM} and a contiguous last dim); choose 'auto' or 'varlen'")
+        return short.short_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, causal, scale)
+
+    return attn
+
+
+# NOTE: where the Triton kernel beats cuDNN SDPA / varlen FlashAttention awaits measurement on
+# the H200 by bench/attention.py; these bounds are the expected region (batch-1 embedding
+# requests, ~128 x 128 scores per head, where cuDNN's per-call costs dominate), not measured ones.
+SHORT_MAX_SEQLEN = 256  # longest sequence (a host bound: the graph bucket's)
+SHORT_MAX_TOKENS = 1024  # tokens in the batch, padding included
+
+
+def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel: bool) -> str:
+    """Which kernel "auto" runs, from host values only (one graph bucket always takes one path):
+    "triton" | "sdpa_batched" | "sdpa_single" | "varlen". `short_kernel`: whether the Triton
+    kernel applies to these tensors at all (CUDA, triton importable, a supported layout)."""
+    if short_kernel and batch.max_seqlen <= SHORT_MAX_SEQLEN and num_tokens <= SHORT_MAX_TOKENS:
+        return "triton"
+    if batch.uniform_seqlen:
+        return "sdpa_batched"
+    if batch.single_sequence and (causal or not batch.has_padding):
+        return "sdpa_single"
+    return "varlen"
+
+
 @register_backend("auto")
 def _auto_backend() -> AttentionFn:
-    """CUDA default, chosen per shape from bench/attention.py's measurements (H200, bf16:
-    cuDNN's SDPA runs dense batches 2-3x faster than varlen FlashAttention):
+    """CUDA default, chosen per shape (`auto_choice`) from bench/attention.py's measurements (H200,
+    bf16: cuDNN's SDPA runs dense batches 2-3x faster than varlen FlashAttention):
+    - short sequences, few tokens (SHORT_MAX_SEQLEN / SHORT_MAX_TOKENS, not yet measured): the
+      Triton kernel, one launch with no memset (a bucket's dummy sequence is attended like any other);
     - sequences all of one length (and no padding): one dense SDPA call;
     - one sequence, with no padding or with causal attention: SDPA over all tokens (causal real
       tokens never see the padding after them);
     - anything else (ragged, or a padded bidirectional batch): varlen."""
+    from florist.kernels import short_attention as short
+
     varlen = _varlen_backend()
 
     def attn(q, k, v, batch: RaggedBatch, causal: bool, scale: float) -> torch.Tensor:
-        if batch.uniform_seqlen:
+        choice = auto_choice(batch, q.shape[0], causal, short.applies(q, k, v, batch.cu_seqlens))
+        if choice == "triton":
+            return short.short_attention_triton(q, k, v, batch.cu_seqlens, batch.max_seqlen, causal, scale)
+        if choice == "sdpa_batched":
             return _sdpa_batched(q, k, v, batch.num_seqs, batch.uniform_seqlen, causal, scale)
-        if batch.single_sequence and (causal or not batch.has_padding):
+        if choice == "sdpa_single":
             return _sdpa_batched(q, k, v, 1, q.shape[0], causal, scale)
         return varlen(q, k, v, batch, causal, scale)
 

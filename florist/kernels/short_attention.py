@@ -1,0 +1,201 @@
+"""Attention over short sequences of a flat ragged batch in one Triton launch.
+
+    q [T, Hq, D], k/v [T, Hkv, D] (Hq = GROUPS * Hkv; any token / head strides, last dim
+    contiguous: views of the fused qkv output), cu_seqlens int32 [B+1]  ->  out [T, Hq, D]
+
+    grid (cdiv(max_seqlen, BLOCK_M), B, Hq): program (m, b, h) holds the query rows
+    cu[b] + m*BLOCK_M .. +BLOCK_M of head h and streams the keys of sequence b (kv head
+    h // GROUPS, read in place: grouped-query heads are never copied) in BLOCK_N tiles with an
+    online softmax in fp32 (exp2, log2(e) folded into the scale):
+
+        seq b      |<------------------ n_b = cu[b+1] - cu[b] ------------------>|
+        query rows | m = 0 | m = 1 | ... |                 (programs past n_b return at once)
+        key tiles  | j = 0 | j = 1 | ... |  causal: tiles past the program's last row are skipped
+
+At batch 1 the whole problem is ~128 x 128 scores per head: cuDNN's SDPA costs ~5 us plus a memset
+per call there, varlen FlashAttention ~7.5 us; this kernel is one small launch and no memset.
+
+Only host values size the launch (`max_seqlen`, the shapes), so it is capturable in a CUDA graph.
+`max_seqlen` must bound every sequence's length (RaggedBatch.max_seqlen and the graph buckets do).
+Rows past cu_seqlens[-1] (outside every sequence) are written as zeros, as the SDPA backend does.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference below is the whole implementation
+    triton = None
+
+# NOTE: without triton the kernel below is a plain (never called) function; the annotations are
+# strings (`from __future__ import annotations`), which triton.jit reads as constexpr markers.
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256  # one [BLOCK_M, head_dim] fp32 accumulator per program must fit in registers
+_LOG2E = 1.4426950408889634
+
+
+def short_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
+                        scale: float) -> torch.Tensor:
+    """Explicit softmax in fp32, one sequence at a time (reads cu_seqlens on the host: the CPU path
+    and the test oracle, not capturable). Rows past cu_seqlens[-1] are zeros."""
+    groups = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    for start, end in itertools.pairwise(cu_seqlens.tolist()):
+        if end <= start:
+            continue
+        qs = q[start:end].float().transpose(0, 1)  # [Hq, n, D]
+        ks = k[start:end].float().transpose(0, 1).repeat_interleave(groups, dim=0)
+        vs = v[start:end].float().transpose(0, 1).repeat_interleave(groups, dim=0)
+        scores = qs @ ks.transpose(1, 2) * scale
+        if causal:
+            n = end - start
+            future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        out[start:end] = (F.softmax(scores, dim=-1) @ vs).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def _supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+    return (
+        q.dim() == 3 and k.dim() == 3 and k.shape == v.shape and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
+        and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0 and 0 < q.shape[2] <= MAX_HEAD_DIM
+        and q.dtype in _DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+        and q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+        and cu_seqlens.dtype == torch.int32 and cu_seqlens.dim() == 1 and cu_seqlens.device == q.device
+    )
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+    """Host-only check (shapes, strides, dtypes, device): whether the kernel runs these inputs."""
+    return triton is not None and q.is_cuda and _supported(q, k, v, cu_seqlens)
+
+
+def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                    causal: bool, scale: float) -> torch.Tensor:
+    """The kernel where it applies (CUDA, triton, fp16/bf16/fp32, last dim contiguous), else the
+    reference."""
+    if applies(q, k, v, cu_seqlens):
+        return short_attention_triton(q, k, v, cu_seqlens, max_seqlen, causal, scale)
+    return short_attention_ref(q, k, v, cu_seqlens, causal, scale)
+
+
+def block_sizes(max_seqlen: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): small query tiles, so a 128-token sequence already spreads over
+    4 programs per head. NOTE: not yet tuned on the H200 (bench/attention.py measures the kernel
+    as a whole); 16 is tl.dot's smallest tile."""
+    fit = max(16, triton.next_power_of_2(max(max_seqlen, 1)))
+    return min(32, fit), min(64, fit)
+
+
+def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                           causal: bool, scale: float) -> torch.Tensor:
+    assert _supported(q, k, v, cu_seqlens), (
+        f"unsupported input: q {q.dtype} {tuple(q.shape)} strides {q.stride()}, k {k.dtype} {tuple(k.shape)} strides "
+        f"{k.stride()}, v {v.dtype} {tuple(v.shape)} strides {v.stride()}, cu_seqlens {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+    )
+    # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
+    assert not q.is_cuda or q.device.index == torch.cuda.current_device(), (
+        f"tensors are on {q.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({q.device}) first"
+    )
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = cu_seqlens.shape[0] - 1
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    if num_seqs == 0 or max_seqlen <= 0:
+        return out.zero_()  # no sequence: every row is outside one
+    block_m, block_n = block_sizes(max_seqlen)
+    # A power of two of key tiles: few specialisations however max_seqlen varies (tiles past a
+    # sequence's end are skipped at run time). Triton 3.6's interpreter cannot loop over a
+    # run-time bound, hence a constexpr trip count.
+    kv_blocks = triton.next_power_of_2(triton.cdiv(max_seqlen, block_n))
+    grid = (triton.cdiv(max_seqlen, block_m), num_seqs, num_heads)
+    _short_attention_kernel[grid](
+        q, k, v, out, cu_seqlens, num_tokens, scale * _LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        GROUPS=num_heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=block_n, KV_BLOCKS=kv_blocks, CAUSAL=causal, IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )
+    return out
+
+
+@_jit
+def _short_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, num_tokens, qk_scale,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCKS: tl.constexpr,
+                            CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_start = tl.load(cu_ptr + seq)
+    seq_end = tl.load(cu_ptr + seq + 1)
+    n = seq_end - seq_start
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    out_row = HEAD_DIM * tl.num_programs(2)  # out is contiguous [T, Hq, D]
+
+    # The last sequence's programs also zero the rows after it (tokens outside every sequence),
+    # strided over the m programs; without padding the loop does not run.
+    if seq == tl.num_programs(1) - 1:
+        pad = seq_end + m_block * BLOCK_M
+        while pad < num_tokens:
+            rows = pad + tl.arange(0, BLOCK_M)
+            ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_row + head * HEAD_DIM + offs_d[None, :]
+            tl.store(ptrs, tl.zeros((BLOCK_M, BLOCK_D), out_ptr.dtype.element_ty), mask=(rows < num_tokens)[:, None] & d_ok[None, :])
+            pad += tl.num_programs(0) * BLOCK_M
+
+    row0 = m_block * BLOCK_M
+    if row0 >= n:
+        return
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < n
+    tok_m = (seq_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + tok_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    kv_head = head // GROUPS
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+
+    # NOTE: a finite floor for the running max: a row whose keys are all masked in a tile (or
+    # everywhere: query rows past n, never stored) gives exp2(-inf - floor) = 0, never NaN.
+    m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    hi = tl.minimum(n, row0 + BLOCK_M) if CAUSAL else n  # keys this program's rows may see
+    for j in range(KV_BLOCKS):
+        col0 = j * BLOCK_N
+        if col0 < hi:
+            offs_n = col0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < n
+            tok_n = (seq_start + offs_n).to(tl.int64)
+            kv_mask = n_ok[:, None] & d_ok[None, :]  # masked loads: other sequences' rows (NaN or not) are never read
+            k = tl.load(k_base + tok_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            visible = n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + tok_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    ptrs = out_ptr + tok_m[:, None] * out_row + head * HEAD_DIM + offs_d[None, :]
+    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
