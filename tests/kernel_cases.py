@@ -150,6 +150,37 @@ def _norms_nonfinite(dtype):
     return case
 
 
+def _add_rms_norm_split_k(dtype, rows, cols, splits, *, bias=False, nonfinite=False, strided=False, weight_dtype=None):
+    """add_rms_norm on a split-K product's unreduced partials (the fused reduction) against the
+    two-kernel path it replaces, skinny_gemm's `_reduce_kernel` then add_rms_norm: bit for bit,
+    x + residual and the normalised output alike. Against the torch reference (which reduces with
+    `reduce_partials_ref`) as the other norm cases compare."""
+
+    def case(g: Inputs, big: bool):
+        t = rows * (4 if big and rows > 1 else 1)
+        partials = g.randn(splits, t, cols, scale=3.0)  # fp32, as the product stores them
+        b = g.randn(cols, dtype=dtype) if bias else None
+        res = g.strided_rows(t, cols, dtype) if strided else g.randn(t, cols, dtype=dtype)
+        w = g.randn(cols, dtype=weight_dtype or dtype)
+        if nonfinite:  # a NaN and an inf in one partial each, and an inf - inf across two splits
+            partials[0, 0, 3], partials[splits - 1, t - 1, cols - 1] = float("nan"), float("inf")
+            partials[0, t // 2, 1], partials[splits - 1, t // 2, 1] = float("inf"), -float("inf")
+        p = skinny_gemm.SplitKPartials(partials, b, dtype)
+        out, summed = norms.add_rms_norm_triton(p, res, w, EPS)
+        x = skinny_gemm.reduce_partials_triton(p)
+        assert_matches(x, skinny_gemm.reduce_partials_ref(p), exact=EXACT_SUM)
+        two_kernel_out, two_kernel_summed = norms.add_rms_norm_triton(x, res, w, EPS)
+        assert_matches(summed, two_kernel_summed, exact=True)
+        assert_matches(out, two_kernel_out, exact=True)
+        ref_out, ref_summed = norms.add_rms_norm_ref(p, res, w, EPS)
+        assert_matches(summed, ref_summed, exact=EXACT_SUM)
+        assert_matches(out, ref_out, rounded_to=dtype)
+        if nonfinite:
+            assert summed[0, 3].isnan() and summed[t - 1, cols - 1].isinf() and summed[t // 2, 1].isnan()
+
+    return case
+
+
 def _rotary(dtype, head_dim, pos_dtype=torch.int32, norm=False, weight_dtype=None):
     def case(g: Inputs, big: bool):
         t, max_pos = (4099, 40960) if big else (11, 300)
@@ -246,6 +277,25 @@ def _skinny_gemm(dtype, m, n, k, *, bias=False, silu_mul=False, gelu=False, conf
     return case
 
 
+def _skinny_gemm_deferred(dtype, m, n, k, *, bias=False, config=None):
+    """A split-K product returned unreduced (defer_reduce) and summed by add_rms_norm equals the
+    product reduced by its own kernel and then normalised, bit for bit."""
+    def case(g: Inputs, big: bool):
+        x, w = g.randn(m, k, dtype=dtype), g.randn(n, k, dtype=dtype, scale=0.5)
+        b = g.randn(n, dtype=dtype) if bias else None
+        res, norm_w = g.randn(m, n, dtype=dtype), g.randn(n, dtype=dtype)
+        cfg = config or skinny_gemm.pick_config(m, n, k)
+        assert cfg is not None and cfg.split_k > 1, f"{m} x {n} x {k}: not a split-K product"
+        p = skinny_gemm.skinny_gemm_triton(x, w, b, False, cfg, defer_reduce=True)
+        assert isinstance(p, skinny_gemm.SplitKPartials) and p.partials.shape[1:] == (m, n) and p.dtype == dtype
+        y = skinny_gemm.skinny_gemm_triton(x, w, b, False, cfg)
+        assert_matches(skinny_gemm.reduce_partials_triton(p), y, exact=True)
+        for got, want in zip(norms.add_rms_norm_triton(p, res, norm_w, EPS), norms.add_rms_norm_triton(y, res, norm_w, EPS)):
+            assert_matches(got, want, exact=True)
+
+    return case
+
+
 def _segment_mean(dtype, lens, sqrt_len=False, nonfinite=False):
     def case(g: Inputs, big: bool):
         seq_lens = [n * (37 if big else 1) for n in lens]
@@ -296,6 +346,12 @@ def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
             cases[f"apply_rotary-{name}-D{head_dim}"] = _rotary(dtype, head_dim)
             cases[f"qk_norm_rope-{name}-D{head_dim}"] = _rotary(dtype, head_dim, pos_dtype=torch.int64, norm=True)
         cases[f"rotary-{name}-odd-heads-nan-inf"] = _rotary_odd_heads(dtype)
+    # Split-K partials reduced inside add + RMSNorm: rows 1 / 3 / 17 / 64, odd widths, 1-5 splits.
+    for name, dtype in DTYPES.items():
+        for rows, cols, splits, bias in ((1, 1000, 4, False), (3, 7, 1, True), (17, 384, 3, True), (64, 1000, 5, False), (64, 1024, 2, True)):
+            cases[f"add_rms_norm-split-k-{name}-M{rows}-H{cols}-S{splits}{'-bias' if bias else ''}"] = _add_rms_norm_split_k(dtype, rows, cols, splits, bias=bias)
+        cases[f"add_rms_norm-split-k-{name}-strided-nan-inf"] = _add_rms_norm_split_k(dtype, 5, 200, 3, bias=True, nonfinite=True, strided=True)
+    cases["add_rms_norm-split-k-bf16-fp32-weight"] = _add_rms_norm_split_k(torch.bfloat16, 3, 384, 2, bias=True, weight_dtype=torch.float32)
     # Mixed dtypes: bf16 activations with fp32 weights promote the output to fp32, as `weight * x` does.
     cases["rms_norm-bf16-fp32-weight"] = _rms_norm(torch.bfloat16, 384, weight_dtype=torch.float32)
     cases["qk_norm_rope-bf16-fp32-weight"] = _rotary(torch.bfloat16, 128, norm=True, weight_dtype=torch.float32)
@@ -326,6 +382,10 @@ def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
         cases[f"skinny_gemm-{name}-gelu"] = _skinny_gemm(dtype, 21, 48, 64, bias=True, gelu=True, config=cfg(16, 16, 32))
         cases[f"skinny_gemm-{name}-picked-minilm-up-gelu-m5"] = _skinny_gemm(dtype, 5, 1536, 384, bias=True, gelu=True)
         cases[f"skinny_gemm-{name}-picked-minilm-up-gelu-m128"] = _skinny_gemm(dtype, 128, 1536, 384, bias=True, gelu=True)
+        cases[f"skinny_gemm-{name}-deferred-split3"] = _skinny_gemm_deferred(dtype, 17, 40, 96, bias=True, config=cfg(16, 16, 32, split_k=3))
+        cases[f"skinny_gemm-{name}-deferred-split2-uneven"] = _skinny_gemm_deferred(dtype, 3, 48, 112, config=cfg(16, 16, 32, split_k=2))
+        cases[f"skinny_gemm-{name}-picked-o-deferred"] = _skinny_gemm_deferred(dtype, 1, 1024, 2048)
+        cases[f"skinny_gemm-{name}-picked-down-deferred-m64"] = _skinny_gemm_deferred(dtype, 64, 1024, 3072)
     return cases
 
 

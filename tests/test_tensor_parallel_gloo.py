@@ -91,6 +91,8 @@ def _check_embedding_and_linears(rank: int) -> None:
         layer.bias.weight_loader(layer.bias, b)
     x = torch.randint(-2, 3, (5, HIDDEN), generator=g).float()
     assert torch.equal(down(up(x)), F.linear(F.linear(x, w_up, b_up), w_down, b_down)), f"rank {rank}: column -> row linear"
+    # At TP > 1 nothing is deferred: the all-reduced tensor, never split-K partials.
+    assert torch.equal(down.forward_deferred(up(x)), down(up(x))), f"rank {rank}: row linear, deferred"
 
     # Fused layers: each rank holds its own slice of every part, side by side.
     mine = lambda w: w.chunk(WORLD_SIZE, 0)[rank]  # noqa: E731

@@ -15,12 +15,24 @@ qkv projection output without a copy:
 Outputs are new contiguous tensors, as the reference's are. Rounding follows the reference step by
 step (sum rounded to x's dtype; normalised value rounded to x's dtype before the weight multiply),
 so the kernels differ from it only by fp32 summation order and rsqrt accuracy.
+
+Split-K reduction fused into add + RMSNorm: `add_rms_norm` also takes x as
+`skinny_gemm.SplitKPartials` (o_proj's and down_proj's fp32 partial sums, not yet reduced). The
+kernel then builds each x row the way `skinny_gemm._reduce_kernel` would have stored it and goes
+on as before:
+
+    x = (p[0] + p[1] + ... + p[S-1] + bias) in fp32, from 0, in that order -> x's dtype
+    summed = x + residual -> x's dtype;   out = rms_norm(summed) * weight
+
+so the result is bit-identical to reducing first and normalising after (two launches, one here).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from florist.kernels.skinny_gemm import SplitKPartials, reduce_partials_ref
 
 try:
     import triton
@@ -46,7 +58,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * xf.to(x.dtype)
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def add_rms_norm_ref(x: torch.Tensor | SplitKPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    if isinstance(x, SplitKPartials):
+        x = reduce_partials_ref(x)
     summed = x + residual
     return rms_norm_ref(summed, weight, eps), summed
 
@@ -61,15 +75,22 @@ def add_layer_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: t
 # public ops
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor | SplitKPartials, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / rms(x) * weight over the last dim, in fp32."""
+    if isinstance(x, SplitKPartials):  # not fused here (Qwen3 only norms partials with a residual)
+        x = x.reduce()
     if _triton_applies(x, weight):
         return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """Returns (rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first."""
+def add_rms_norm(x: torch.Tensor | SplitKPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Returns (rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first.
+    x may be a split-K product's unreduced partials: the kernel reduces them on the way in."""
+    if isinstance(x, SplitKPartials):
+        if _triton_applies_partials(x, weight, residual):
+            return add_rms_norm_triton(x, residual, weight, eps)
+        x = x.reduce()  # the unfused path: reduce (its own kernel on CUDA), then the norm below
     if _triton_applies(x, weight, residual):
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)
@@ -98,6 +119,17 @@ def _triton_applies(x: torch.Tensor, weight: torch.Tensor | None, residual: torc
     )
 
 
+def _triton_applies_partials(p: SplitKPartials, weight: torch.Tensor, residual: torch.Tensor) -> bool:
+    """The residual stands in for x in the usual checks; the partials must be fp32 [S, T, H] on
+    its device with H contiguous, and the bias (if any) is checked like LayerNorm's."""
+    partials = p.partials
+    return (
+        _triton_applies(residual, weight, bias=p.bias) and residual.dim() == 2 and residual.dtype == p.dtype
+        and partials.dtype == torch.float32 and partials.dim() == 3 and partials.shape[0] >= 1
+        and partials.shape[1:] == residual.shape and partials.stride(-1) == 1 and partials.device == residual.device
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton launchers (also called directly by the tests, under the interpreter on CPU)
 
@@ -106,7 +138,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return _launch_rms_norm(x, None, weight, eps)[0]
 
 
-def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def add_rms_norm_triton(x: torch.Tensor | SplitKPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    if isinstance(x, SplitKPartials):
+        return _launch_add_rms_norm_partials(x, residual, weight, eps)
     return _launch_rms_norm(x, residual, weight, eps)
 
 
@@ -138,9 +172,38 @@ def _launch_rms_norm(x, residual, weight, eps):
     num_rows, num_heads, n_cols = _rows(x)
     block_rows, block_cols, num_warps = _row_blocking(n_cols)
     _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
-        x, res, weight, out, out if summed is None else summed,
-        num_rows, num_heads, *_row_strides(x), *_row_strides(res), n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+        x, res, weight, out, out if summed is None else summed, weight,
+        num_rows, num_heads, *_row_strides(x), *_row_strides(res), 0, n_cols, eps,
+        HAS_RESIDUAL=residual is not None, SPLIT_K=0, HAS_BIAS=False, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+    )
+    return out, summed
+
+
+def _launch_add_rms_norm_partials(p: SplitKPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """add_rms_norm with x = p.reduce(), in one kernel: x is never written."""
+    partials, bias = p.partials, p.bias
+    assert partials.dim() == 3 and partials.dtype == torch.float32 and partials.stride(-1) == 1, (
+        f"partials must be fp32 [S, T, H] with H contiguous, not {partials.dtype} {tuple(partials.shape)} strides {partials.stride()}"
+    )
+    assert residual.dim() == 2 and partials.shape[1:] == residual.shape and residual.dtype == p.dtype, (
+        f"residual {tuple(residual.shape)} {residual.dtype} must be [T, H] = {tuple(partials.shape[1:])} of the product's {p.dtype}"
+    )
+    assert partials.device == residual.device, f"partials on {partials.device}, residual on {residual.device}"
+    assert bias is None or (bias.shape == weight.shape and bias.stride(0) == 1 and bias.dtype in _FLOAT_DTYPES), (
+        f"bias {tuple(bias.shape)} {bias.dtype} must be a contiguous float [{weight.shape[0]}]"
+    )
+    _check_rows(residual, None, weight)
+    out = torch.empty(residual.shape, dtype=torch.promote_types(p.dtype, weight.dtype), device=residual.device)
+    summed = torch.empty(residual.shape, dtype=p.dtype, device=residual.device)
+    if residual.numel() == 0:
+        return out, summed
+    num_rows, n_cols = residual.shape
+    block_rows, block_cols, num_warps = _row_blocking(n_cols)
+    _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
+        partials, residual, weight, out, summed, bias if bias is not None else weight,
+        num_rows, 1, partials.stride(1), 0, *_row_strides(residual), partials.stride(0), n_cols, eps,
+        HAS_RESIDUAL=True, SPLIT_K=partials.shape[0], HAS_BIAS=bias is not None,
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
     )
     return out, summed
 
@@ -195,9 +258,29 @@ def _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh
     to it, as the reference's `x + residual` is. Masked elements are 0."""
     x = tl.load(x_ptr + _row_offsets(rows, num_heads, stride_xt, stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + _row_offsets(rows, num_heads, stride_rt, stride_rh)[:, None] + cols[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = _add_residual(x, res_ptr, rows, cols, mask, num_heads, stride_rt, stride_rh)
     return x
+
+
+@_jit
+def _add_residual(x, res_ptr, rows, cols, mask, num_heads, stride_rt, stride_rh):
+    r = tl.load(res_ptr + _row_offsets(rows, num_heads, stride_rt, stride_rh)[:, None] + cols[None, :], mask=mask, other=0.0)
+    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+
+
+@_jit
+def _reduce_partial_rows(p_ptr, b_ptr, rows, cols, col_ok, mask, stride_pt, stride_split,
+                         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """A tile of a split-K product from its fp32 partials [SPLIT_K, rows, cols], in fp32 and not
+    yet rounded: the sum and bias of skinny_gemm's `_reduce_kernel`, in the same order."""
+    p_ptrs = p_ptr + rows.to(tl.int64)[:, None] * stride_pt + cols[None, :]
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # the fixed order s = 0..S-1: the same bits as the reduce kernel
+        acc += tl.load(p_ptrs, mask=mask, other=0.0)
+        p_ptrs += stride_split
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return acc
 
 
 @_jit
@@ -213,18 +296,25 @@ def _row_tile(num_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constex
 
 
 @_jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
-                     num_rows, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, b_ptr,
+                     num_rows, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, stride_split, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """SPLIT_K = 0: x_ptr is x. SPLIT_K > 0: x_ptr is a split-K product's fp32 partials (2-D rows,
+    num_heads = 1, a residual always), reduced here and rounded to the residual's dtype (= x's)."""
     rows, cols, col_ok, mask, out_offs = _row_tile(num_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
-    x = _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, HAS_RESIDUAL)
+    if SPLIT_K > 0:
+        x = _reduce_partial_rows(x_ptr, b_ptr, rows, cols, col_ok, mask, stride_xt, stride_split, SPLIT_K, HAS_BIAS, BLOCK_ROWS, BLOCK_COLS)
+        x = _add_residual(x.to(res_ptr.dtype.element_ty), res_ptr, rows, cols, mask, num_heads, stride_rt, stride_rh)
+    else:
+        x = _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, HAS_RESIDUAL)
     if HAS_RESIDUAL:
         tl.store(sum_ptr + out_offs, x, mask=mask)
-    x = x.to(tl.float32)
+    xf = x.to(tl.float32)
     # Masked columns were loaded as 0, so they add nothing to the sum of squares.
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
     # The reference rounds the normalised value to x's dtype, then multiplies by the weight.
-    y = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + out_offs, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 

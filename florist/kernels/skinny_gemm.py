@@ -13,6 +13,12 @@ so a grid of about one program per SM or more streams the weight:
     SPLIT_K > 1:  it stores fp32 partials [SPLIT_K, M, N]; `_reduce_kernel` sums them in a fixed
                   order (deterministic, unlike atomics), adds the bias and casts.
 
+Deferred reduction (`defer_reduce=True`): where split-K runs, the product returns its partials
+unreduced as `SplitKPartials`, and the add + RMSNorm that follows o_proj and down_proj in Qwen3
+sums them in its own prologue (`florist.kernels.norms.add_rms_norm`), so the product costs one
+launch, not two. Same bits as reducing first: the norm kernel sums in the same order, adds the
+bias and rounds to the activation dtype exactly where `_reduce_kernel` does.
+
 Fused SwiGLU (`silu_mul=True`): w is MergedColumnParallelLinear's [gate (I) | up (I)] weight; a
 program reads the gate rows n.. and the up rows I+n.. of the same K slice into two accumulators
 and stores silu(gate) * up: [M, I]. The [M, 2I] projection is never written, and one launch
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +65,48 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+
+
+class SplitKPartials(NamedTuple):
+    """A split-K product not yet reduced: y = (sum over s of partials[s], in order s = 0..S-1, in
+    fp32) + bias, cast to `dtype`. Returned by `skinny_gemm(..., defer_reduce=True)` (through
+    `RowParallelLinear.forward_deferred`) and consumed by `norms.add_rms_norm`, whose kernel does
+    this sum while it loads x:
+
+        o_proj / down_proj  --partials [S, M, N] fp32-->  add_rms_norm(x=partials, residual)
+                            (one launch saved: no `_reduce_kernel`, no [M, N] round trip)
+
+    Anything else that receives one calls `.reduce()` and gets the ordinary tensor, bit for bit.
+    """
+
+    partials: torch.Tensor  # fp32 [S, M, N], last dim contiguous
+    bias: torch.Tensor | None  # [N], any float dtype, or None
+    dtype: torch.dtype  # the product's (activation) dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.partials.shape[1:]
+
+    @property
+    def device(self) -> torch.device:
+        return self.partials.device
+
+    def reduce(self) -> torch.Tensor:
+        """The product as a [M, N] tensor of `dtype`: `_reduce_kernel` on CUDA, torch elsewhere."""
+        if triton is not None and self.partials.is_cuda:
+            return reduce_partials_triton(self)
+        return reduce_partials_ref(self)
+
+
+def reduce_partials_ref(p: SplitKPartials) -> torch.Tensor:
+    """`_reduce_kernel` in torch, rounding for rounding: fp32 sum from 0 in order s = 0..S-1,
+    + bias in fp32, one cast."""
+    acc = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    for part in p.partials:
+        acc += part
+    if p.bias is not None:
+        acc += p.bias.float()
+    return acc.to(p.dtype)
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
@@ -118,14 +167,16 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-                gelu: bool = False, config: GemmConfig | None = None) -> torch.Tensor:
+                gelu: bool = False, config: GemmConfig | None = None, defer_reduce: bool = False) -> torch.Tensor | SplitKPartials:
     """y = x @ weight.T (+ bias); with silu_mul, silu(y[:, :I]) * y[:, I:]; with gelu, exact
     (erf) GELU of y. The Triton kernel where it applies and `pick_config` (or `config`) chooses
-    it; else F.linear, then the activation as its own op (the fused SwiGLU kernel on CUDA)."""
+    it; else F.linear, then the activation as its own op (the fused SwiGLU kernel on CUDA).
+    With `defer_reduce`, a product that runs split-K returns `SplitKPartials` (the caller's next
+    op sums them); every other product returns the tensor as usual."""
     if applies(x, weight):
         config = config or pick_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul, gelu)
         if config is not None:
-            return skinny_gemm_triton(x, weight, bias, silu_mul, config, gelu)
+            return skinny_gemm_triton(x, weight, bias, silu_mul, config, gelu, defer_reduce)
     y = F.linear(x, weight, bias)
     if silu_mul:
         return silu_and_mul(y)
@@ -133,7 +184,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, config: GemmConfig,
-                       gelu: bool = False) -> torch.Tensor:
+                       gelu: bool = False, defer_reduce: bool = False) -> torch.Tensor | SplitKPartials:
     assert _supported(x, weight), f"unsupported input: x {x.dtype} {tuple(x.shape)} strides {x.stride()}, weight {weight.dtype} {tuple(weight.shape)}"
     assert not ((silu_mul or gelu) and config.split_k > 1), "activations are not linear in the partial sums: split_k must be 1"
     assert not (silu_mul and gelu), "one activation at a time"
@@ -145,9 +196,8 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     )
     m, k = x.shape
     n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0 or n_out == 0:
-        return out
+        return torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     c = config
     split_k = c.split_k
     # K slices are whole BLOCK_K blocks; a split that leaves a slice empty is pointless.
@@ -155,6 +205,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     split_k = triton.cdiv(k, k_per_split)
     grid = (triton.cdiv(n_out, c.block_n), split_k, triton.cdiv(m, c.block_m))
     if split_k == 1:
+        out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
         _gemm_kernel[grid](
             x, weight, bias if bias is not None else out, out, m, n_out, k, x.stride(0), weight.stride(0), out.stride(0),
             0, 0, n_out if silu_mul else 0,
@@ -164,17 +215,33 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return out
     partial = torch.empty((split_k, m, n_out), dtype=torch.float32, device=x.device)
     _gemm_kernel[grid](
-        x, weight, out, partial, m, n_out, k, x.stride(0), weight.stride(0), n_out,
+        x, weight, x, partial, m, n_out, k, x.stride(0), weight.stride(0), n_out,  # no bias here (b_ptr unused): the reduction adds it
         partial.stride(0), 0, 0,
         K_PER_SPLIT=k_per_split, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=True, HAS_BIAS=False,
         SILU_MUL=False, GELU=False, EVEN_K=k_per_split * split_k == k, num_warps=c.num_warps, num_stages=c.num_stages,
     )
+    product = SplitKPartials(partial, bias, x.dtype)
+    return product if defer_reduce else reduce_partials_triton(product)
+
+
+def reduce_partials_triton(p: SplitKPartials) -> torch.Tensor:
+    out = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+    _launch_reduce(p.partials, p.bias, out)
+    return out
+
+
+def _launch_reduce(partial: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    split_k, m, n = partial.shape
+    assert partial.dtype == torch.float32 and partial.is_contiguous(), f"partials must be contiguous fp32, not {partial.dtype} strides {partial.stride()}"
+    assert out.shape == (m, n) and out.is_contiguous(), f"out {tuple(out.shape)} must be a contiguous [{m}, {n}]"
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), f"bias {tuple(bias.shape)} must be a contiguous [{n}]"
+    if out.numel() == 0:
+        return
     block = 1024
-    _reduce_kernel[(triton.cdiv(m * n_out, block),)](
-        partial, bias if bias is not None else out, out, m * n_out, n_out, partial.stride(0),
+    _reduce_kernel[(triton.cdiv(m * n, block),)](
+        partial, bias if bias is not None else out, out, m * n, n, partial.stride(0),
         SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
     )
-    return out
 
 
 @_jit

@@ -6,7 +6,8 @@ shard of a checkpoint tensor into place, so the weight loader never needs to kno
     ColumnParallelLinear      W[out, in] split along out: rank r owns rows [r*out/tp, (r+1)*out/tp)
     MergedColumnParallelLinear several column-parallel outputs fused into one matmul (gate|up)
     QKVParallelLinear         q|k|v fused; each rank owns whole heads of each
-    RowParallelLinear         W[out, in] split along in; outputs all-reduced, bias added once
+    RowParallelLinear         W[out, in] split along in; outputs all-reduced, bias added once;
+                              `forward_deferred` may hand back split-K partials for the next norm
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from florist.distributed import all_reduce, tp_rank, tp_size
 from florist.kernels import skinny_gemm
+from florist.kernels.skinny_gemm import SplitKPartials
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
@@ -125,3 +127,12 @@ class RowParallelLinear(LinearBase):
         # The bias is added on one rank only, so the all-reduce adds it exactly once.
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y) if self.tp_size > 1 else y
+
+    def forward_deferred(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
+        """`forward`, except that where the skinny-M kernel splits K its fp32 partials come back
+        unreduced (`SplitKPartials`), for the add + RMSNorm that follows to sum
+        (`norms.add_rms_norm`); any other reader calls `.reduce()` for the tensor.
+        NOTE: at tensor-parallel size > 1 the all-reduce needs the finished product: `forward`."""
+        if self.tp_size > 1:
+            return self.forward(x)
+        return skinny_gemm.skinny_gemm(x, self.weight, self.bias, defer_reduce=True)

@@ -6,17 +6,20 @@ import torch
 from torch import nn
 
 from florist.kernels import norms
+from florist.kernels.skinny_gemm import SplitKPartials
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight, in fp32; with `residual`, returns (norm(x + residual), x + residual)."""
+    """y = x / rms(x) * weight, in fp32; with `residual`, returns (norm(x + residual), x + residual).
+    x may be a split-K product's unreduced partials (`RowParallelLinear.forward_deferred`): with a
+    residual the norm kernel sums them, so the product needs no reduce kernel of its own."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor | SplitKPartials, residual: torch.Tensor | None = None):
         if residual is None:
             return norms.rms_norm(x, self.weight, self.eps)
         return norms.add_rms_norm(x, residual, self.weight, self.eps)

@@ -12,6 +12,7 @@ from torch import nn
 from florist.config import ModelConfig
 from florist.engine.batch import RaggedBatch
 from florist.kernels.rotary import qk_norm_rope
+from florist.kernels.skinny_gemm import SplitKPartials
 from florist.layers.attention import Attention, AttentionFn
 from florist.layers.embedding import VocabParallelEmbedding
 from florist.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -45,13 +46,13 @@ class Qwen3Attention(nn.Module):
         )
         return q, k, v
 
-    def forward(self, x: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
-        return self.o_proj(self.attn(*self._qkv(x, batch), batch))
+    def forward(self, x: torch.Tensor, batch: RaggedBatch) -> torch.Tensor | SplitKPartials:
+        return self.o_proj.forward_deferred(self.attn(*self._qkv(x, batch), batch))
 
-    def forward_last(self, x: torch.Tensor, batch: RaggedBatch, last: torch.Tensor) -> torch.Tensor:
+    def forward_last(self, x: torch.Tensor, batch: RaggedBatch, last: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """Keys and values of every token, the output of each sequence's last token only: [B, H]."""
         q, k, v = self._qkv(x, batch)
-        return self.o_proj(self.attn.forward_last(q[last].reshape(last.shape[0], -1), k, v, batch))
+        return self.o_proj.forward_deferred(self.attn.forward_last(q[last].reshape(last.shape[0], -1), k, v, batch))
 
 
 class Qwen3MLP(nn.Module):
@@ -60,11 +61,23 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.forward_swiglu(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
+        return self.down_proj.forward_deferred(self.gate_up_proj.forward_swiglu(x))
 
 
 class Qwen3DecoderLayer(nn.Module):
+    """Pre-norm: x, residual -> (mlp output, residual) for the next layer's input norm.
+
+    o_proj and down_proj run `forward_deferred`: where they split K (few rows on CUDA) their
+    output is `SplitKPartials`, summed by the add + RMSNorm that reads it, never written reduced:
+
+        self_attn -> o_proj partials --> post_attention_layernorm(x, residual)
+        mlp -> down_proj partials -----> next layer's input_layernorm(x, residual) / the final norm
+
+    So attention and MLP outputs go only to an RMSNorm with a residual (every layer but the first
+    has one; the first one's x is the embedding).
+    """
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionFn, attention=Attention):
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, rotary, backend, attention)
