@@ -74,11 +74,12 @@ class HFGenerate:
 
 
 def run(path: Path, *, name: str, dtype: torch.dtype, device: str, prompt_len: int, decode_tokens: int, hf_decode_tokens: int,
-        batch: int, batch_new_tokens: int, repeats: int, margin: float, baseline: bool):
+        batch: int, batch_new_tokens: int, repeats: int, margin: float, baseline: bool, decode_attention: str | None = None):
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(path, device=device, dtype=dtype,
-                                    generation=GenerationConfig(max_num_seqs=max(batch, 1), max_model_len=prompt_len + max(decode_tokens, batch_new_tokens) + 8))
+                                    generation=GenerationConfig(max_num_seqs=max(batch, 1), max_model_len=prompt_len + max(decode_tokens, batch_new_tokens) + 8,
+                                                                decode_attention=decode_attention))
     vocab = engine.info.vocab_size
     warm = rng.integers(0, vocab, size=prompt_len).tolist()
     engine.generate([warm], max_tokens=4, ignore_eos=True)
@@ -143,6 +144,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--margin", type=float, default=0.1, help="bf16 fidelity: allowed gap to transformers' argmax logit")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--decode-attention", default=None, help="decode attention backend (triton, flash, torch); default: the engine's choice")
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
@@ -157,7 +159,7 @@ def main():
         path = make_model(tmp / "qwen3-0.6b", "qwen3-0.6b", variant="reranker")
         run(path, name="qwen3-0.6b bf16", dtype=torch.bfloat16, device=device, prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
             hf_decode_tokens=args.hf_decode_tokens, batch=args.batch, batch_new_tokens=args.batch_new_tokens, repeats=args.repeats,
-            margin=args.margin, baseline=not args.no_baseline)
+            margin=args.margin, baseline=not args.no_baseline, decode_attention=args.decode_attention)
     print_summary(args.json)
 
 

@@ -2,6 +2,11 @@
 (hidden 1024, 16 q / 8 kv heads, head_dim 128, intermediate 3072).
 
     python bench/kernels.py [--tokens 128 512 4096 51200] [--dtype bf16] [--reps 50]
+    python bench/kernels.py --decode [--batches 1 8 32] [--contexts 128 512 2048 4096]
+
+--decode times decode attention over the slot KV cache instead (one query token per sequence):
+florist's one-launch Triton kernel against FlashAttention's split-KV path and the torch
+reference, each backend as the engine calls it.
 
 Each op runs inside a CUDA graph (several calls back to back per replay), so the figures are GPU
 time without launch overhead, as in the engine's captured forward; the median over replays is
@@ -107,6 +112,36 @@ def time_in_graph(fn: Callable[[], object], calls_per_replay: int, reps: int) ->
     return statistics.median(times_us)
 
 
+def decode_attention_rows(batches: list[int], contexts: list[int], dtype: torch.dtype, reps: int) -> list[tuple]:
+    """(batch, context, {backend: us}, max |triton - torch|) per shape; every sequence has
+    `context` cached tokens in a cache of max(contexts) positions per slot."""
+    from florist.engine.generation.batch import GenerationBatch
+    from florist.layers.cached_attention import select_decode_backend
+
+    dev = torch.device("cuda")
+    backends = {name: select_decode_backend(name, dev, HEAD_DIM, dtype) for name in ("triton", "flash", "torch")}
+    max_len, rows = max(contexts), []
+    for batch in batches:
+        k_cache = torch.randn(batch + 1, max_len, NUM_KV_HEADS, HEAD_DIM, device=dev, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=dev, dtype=dtype)
+        slots = torch.arange(batch, device=dev)
+        for context in contexts:
+            lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+            cu = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+            meta = GenerationBatch(input_ids=cu[:-1], positions=lens - 1, seq_ids=cu[:-1], cu_seqlens=cu, token_type_ids=None,
+                                   max_seqlen=1, seq_lens_host=(), decode=True, slot_mapping=slots, slots=slots, context_lens=lens,
+                                   cache_starts=torch.arange(batch + 1, dtype=torch.int32, device=dev) * max_len, max_context_len=max_len)
+            call = {name: (lambda fn=fn: fn(q, k_cache, v_cache, meta, HEAD_DIM**-0.5)) for name, fn in backends.items()}
+            diff = max_abs_diff(call["triton"](), call["torch"]())
+            times = {name: time_in_graph(fn, 20, reps) for name, fn in call.items()}
+            rows.append((batch, context, times, diff))
+            print(f"B={batch:<3} context={context:<5} " + "   ".join(f"{n} {t:8.2f} us" for n, t in times.items()) + f"   max|diff| {diff:.3g}", flush=True)
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
+    return rows
+
+
 def max_abs_diff(fused, reference) -> float:
     fused = fused if isinstance(fused, tuple) else (fused,)
     reference = reference if isinstance(reference, tuple) else (reference,)
@@ -118,6 +153,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 4096, 51200])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--reps", type=int, default=50, help="graph replays timed per op (median reported)")
+    parser.add_argument("--decode", action="store_true", help="time decode attention backends instead")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048, 4096])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -127,6 +165,12 @@ def main() -> int:
     dtype = DTYPES[args.dtype]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  {args.dtype}")
     print(f"floor = bytes moved by the fused kernel / {PEAK_BYTES_PER_S / 1e12:.1f} TB/s; times are GPU us per call (median)\n")
+    if args.decode:
+        print(f"\n| batch | context | triton (us) | flash (us) | torch (us) | flash / triton |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for batch, context, t, _ in decode_attention_rows(args.batches, args.contexts, dtype, args.reps):
+            print(f"| {batch} | {context} | {t['triton']:.2f} | {t['flash']:.2f} | {t['torch']:.2f} | {t['flash'] / t['triton']:.2f}x |")
+        return 0
     rows = []
     for num_tokens in args.tokens:
         torch.manual_seed(0)

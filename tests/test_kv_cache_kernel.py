@@ -36,14 +36,40 @@ def check(device):
             scratch_k = caches[0][rows - 1]
             assert any(torch.equal(scratch_k, k[t]) for t in range(tokens)) or not (slots == rows - 1).any()
     print("store_kv ok")
+
+
+def check_rope_store(device):
+    # qk_norm_rope with kv_store: q, k as without it, and the cache rows as a separate store.
+    from florist.kernels import rotary
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for tokens, q_heads, kv_heads, head_dim, rows in ((1, 4, 2, 32, 8), (7, 3, 3, 24, 20), (5, 16, 8, 128, 12)):
+            qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(device)
+            q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+            qw, kw = (torch.randn(head_dim, generator=g).to(dtype).to(device) for _ in range(2))
+            positions = torch.randint(0, 64, (tokens,), generator=g).to(device)
+            half = torch.arange(head_dim // 2, dtype=torch.float64)
+            freqs = torch.arange(64, dtype=torch.float64)[:, None] / (1e4 ** (2 * half / head_dim))[None, :]
+            cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device)
+            slots = torch.randperm(rows, generator=g)[:tokens].to(device)
+            caches = [torch.full((rows, kv_heads, head_dim), 7.0, dtype=dtype, device=device) for _ in range(4)]
+            q1, k1 = rotary.qk_norm_rope_triton(q, k, qw, kw, 1e-6, positions, cos_sin, (v, caches[0], caches[1], slots))
+            q2, k2 = rotary.qk_norm_rope_ref(q, k, qw, kw, 1e-6, positions, cos_sin)
+            store_kv_ref(k1, v, caches[2], caches[3], slots)
+            assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), (dtype, tokens, "cache rows differ from a separate store")
+            tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+            torch.testing.assert_close(q1.cpu(), q2.cpu(), rtol=tol, atol=tol)
+            torch.testing.assert_close(k1.cpu(), k2.cpu(), rtol=tol, atol=tol)
+    print("rope store ok")
 """
 
 
 def test_store_kv_kernel_interpreted():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", CASES + "\ncheck('cpu')"], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "store_kv ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-c", CASES + "\ncheck('cpu')\ncheck_rope_store('cpu')"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "store_kv ok" in proc.stdout and "rope store ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -51,6 +77,7 @@ def test_store_kv_kernel_compiled():
     namespace: dict = {}
     exec(CASES, namespace)
     namespace["check"]("cuda")
+    namespace["check_rope_store"]("cuda")
 
 
 def test_store_kv_takes_the_reference_on_cpu():

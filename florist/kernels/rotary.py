@@ -11,6 +11,8 @@ only the head_dim must be contiguous. The cache row of position p holds cos | si
     x = | x1 (D/2) | x2 (D/2) |  ->  | x1*cos - x2*sin | x2*cos + x1*sin |
 
 One program handles every q and k head of one token, so the cache row is read once per token.
+For generation, `qk_norm_rope(..., kv_store=...)` also writes the token's rotated k and its v
+into the KV cache in the same launch (one kernel per layer less than a separate store).
 NOTE: positions are not bounds-checked by the kernel (the reference raises on CPU); the engine
 keeps them below max_position_embeddings, the cache length.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from florist.kernels.kv_cache import store_kv
 from florist.kernels.norms import rms_norm_ref
 
 try:
@@ -33,6 +36,9 @@ _jit = triton.jit if triton is not None else (lambda fn: fn)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_TILE = 16384  # heads x head_dim/2 elements held in registers per program
+# (v [T, Hk, D], k_cache_flat, v_cache_flat [R, Hk, D] contiguous, slot_mapping [T]): where
+# qk_norm_rope also writes each token's rotated k and its v (generation's KV cache)
+KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,12 +71,26 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     return apply_rotary_ref(q, k, positions, cos_sin_cache)
 
 
-def qk_norm_rope(q, k, q_weight, k_weight, eps: float, positions, cos_sin_cache):
+def qk_norm_rope(q, k, q_weight, k_weight, eps: float, positions, cos_sin_cache, kv_store: KVStore | None = None):
     """Qwen3's QK-norm then rotary: rms_norm over head_dim of q and k (weights [D]) followed by
-    apply_rotary, in one pass over q and k."""
-    if _triton_applies(q, k, positions, cos_sin_cache, q_weight, k_weight):
-        return qk_norm_rope_triton(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
-    return qk_norm_rope_ref(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
+    apply_rotary, in one pass over q and k. With `kv_store`, the same launch also writes the
+    rotated k and the given v into a KV cache (florist.kernels.kv_cache.store_kv's layout)."""
+    if _triton_applies(q, k, positions, cos_sin_cache, q_weight, k_weight) and (kv_store is None or _kv_store_applies(k, kv_store)):
+        return qk_norm_rope_triton(q, k, q_weight, k_weight, eps, positions, cos_sin_cache, kv_store)
+    q_out, k_out = qk_norm_rope_ref(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
+    if kv_store is not None:
+        store_kv(k_out, *kv_store)
+    return q_out, k_out
+
+
+def _kv_store_applies(k: torch.Tensor, kv_store: KVStore) -> bool:
+    v, k_cache, v_cache, slot_mapping = kv_store
+    return (
+        v.shape == k.shape and v.dtype == k.dtype and v.stride(2) == 1 and k_cache.dtype == k.dtype and v_cache.dtype == k.dtype
+        and k_cache.shape[1:] == k.shape[1:] and v_cache.shape == k_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype in (torch.int32, torch.int64)
+        and all(t.device == k.device for t in (v, k_cache, v_cache, slot_mapping))
+    )
 
 
 def _triton_applies(q, k, positions, cache, q_weight=None, k_weight=None) -> bool:
@@ -104,11 +124,11 @@ def apply_rotary_triton(q, k, positions, cos_sin_cache):
     return _launch(q, k, None, None, 0.0, positions, cos_sin_cache)
 
 
-def qk_norm_rope_triton(q, k, q_weight, k_weight, eps, positions, cos_sin_cache):
-    return _launch(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
+def qk_norm_rope_triton(q, k, q_weight, k_weight, eps, positions, cos_sin_cache, kv_store: KVStore | None = None):
+    return _launch(q, k, q_weight, k_weight, eps, positions, cos_sin_cache, kv_store)
 
 
-def _launch(q, k, q_weight, k_weight, eps, positions, cache):
+def _launch(q, k, q_weight, k_weight, eps, positions, cache, kv_store=None):
     assert q.dim() == 3 and k.dim() == 3 and k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2], (
         f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, head_dim] with the same T and head_dim"
     )
@@ -139,10 +159,22 @@ def _launch(q, k, q_weight, k_weight, eps, positions, cache):
     block_half = triton.next_power_of_2(head_dim // 2)
     block_q, block_k = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_k_heads)
     num_warps = min(8, max(1, block_q * block_half // 256))
+    if kv_store is not None:
+        v, k_cache, v_cache, slot_mapping = kv_store
+        assert out_dtype == k.dtype and _kv_store_applies(k, kv_store), (
+            f"the KV cache store needs v like k {tuple(k.shape)} {k.dtype} (got {tuple(v.shape)} {v.dtype}), contiguous caches "
+            f"[rows, {num_k_heads}, {head_dim}] of that dtype (got {tuple(k_cache.shape)} {k_cache.dtype}) and one slot per token"
+        )
+        v_strides = (v.stride(0), v.stride(1))
+    else:
+        v = k_cache = v_cache = slot_mapping = k_out  # unused
+        v_strides = (0, 0)
     _rope_kernel[(num_tokens,)](
         q, k, q_out, k_out, positions, cache, q_weight if norm else cache, k_weight if norm else cache,
-        num_q_heads, num_k_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cache.stride(0), head_dim // 2, eps,
-        NORM=norm, BLOCK_Q_HEADS=block_q, BLOCK_K_HEADS=block_k, BLOCK_HALF=block_half, num_warps=num_warps,
+        v, k_cache, v_cache, slot_mapping,
+        num_q_heads, num_k_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_strides, cache.stride(0), head_dim // 2, eps,
+        NORM=norm, STORE_KV=kv_store is not None, BLOCK_Q_HEADS=block_q, BLOCK_K_HEADS=block_k, BLOCK_HALF=block_half,
+        num_warps=num_warps,
     )
     return q_out, k_out
 
@@ -154,7 +186,8 @@ def _launch(q, k, q_weight, k_weight, eps, positions, cache):
 @_jit
 def _rope_heads(x_ptr, out_ptr, w_ptr, token, num_heads, stride_t, stride_h, cos, sin, half_dim, eps,
                 NORM: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """(QK-norm and) rotary of all heads of one token: a [BLOCK_HEADS, BLOCK_HALF] tile per half."""
+    """(QK-norm and) rotary of all heads of one token: a [BLOCK_HEADS, BLOCK_HALF] tile per half,
+    stored to out (contiguous [T, heads, D]); returns the two halves (fp32) and their mask."""
     heads = tl.arange(0, BLOCK_HEADS)
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < half_dim
@@ -174,15 +207,24 @@ def _rope_heads(x_ptr, out_ptr, w_ptr, token, num_heads, stride_t, stride_h, cos
         x2 = x2.to(out_ptr.dtype.element_ty).to(tl.float32)
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    dst = out_ptr + (token.to(tl.int64) * num_heads + heads[:, None]) * (2 * half_dim) + d[None, :]
-    tl.store(dst, out1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half_dim, out2.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_halves(out_ptr + token.to(tl.int64) * num_heads * (2 * half_dim), heads, d, half_dim, out1, out2, mask)
+    return out1, out2, mask
+
+
+@_jit
+def _store_halves(row_ptr, heads, d, half_dim, out1, out2, mask):
+    """Stores [heads, D] at row_ptr (heads contiguous, D = 2 * half_dim) in row_ptr's dtype."""
+    dst = row_ptr + heads[:, None] * (2 * half_dim) + d[None, :]
+    tl.store(dst, out1.to(row_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half_dim, out2.to(row_ptr.dtype.element_ty), mask=mask)
 
 
 @_jit
 def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_ptr,
-                 num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, half_dim, eps,
-                 NORM: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                 v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                 num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache, half_dim, eps,
+                 NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr):
     token = tl.program_id(0)
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < half_dim
@@ -191,5 +233,13 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_ptr
     sin = tl.load(row + half_dim + d, mask=d_ok, other=0.0)
     _rope_heads(q_ptr, q_out_ptr, q_w_ptr, token, num_q_heads, stride_qt, stride_qh, cos, sin, half_dim, eps,
                 NORM, BLOCK_Q_HEADS, BLOCK_HALF)
-    _rope_heads(k_ptr, k_out_ptr, k_w_ptr, token, num_k_heads, stride_kt, stride_kh, cos, sin, half_dim, eps,
-                NORM, BLOCK_K_HEADS, BLOCK_HALF)
+    k1, k2, k_mask = _rope_heads(k_ptr, k_out_ptr, k_w_ptr, token, num_k_heads, stride_kt, stride_kh, cos, sin, half_dim, eps,
+                                 NORM, BLOCK_K_HEADS, BLOCK_HALF)
+    if STORE_KV:  # this token's rotated k and its v into cache row slot_mapping[token]
+        heads = tl.arange(0, BLOCK_K_HEADS)
+        cache_row = tl.load(slot_ptr + token).to(tl.int64) * num_k_heads * (2 * half_dim)
+        _store_halves(k_cache_ptr + cache_row, heads, d, half_dim, k1, k2, k_mask)
+        src = v_ptr + token.to(tl.int64) * stride_vt + heads[:, None] * stride_vh + d[None, :]
+        v1 = tl.load(src, mask=k_mask, other=0.0)
+        v2 = tl.load(src + half_dim, mask=k_mask, other=0.0)
+        _store_halves(v_cache_ptr + cache_row, heads, d, half_dim, v1, v2, k_mask)

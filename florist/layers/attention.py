@@ -215,8 +215,12 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.causal, self.scale, self.backend = causal, head_dim**-0.5, backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
-        """q: [T, Hq*D] or [T, Hq, D] -> [T, Hq*D]."""
+    def kv_store(self, v: torch.Tensor, batch: RaggedBatch) -> None:
+        """Where k/v would be written for later steps: nowhere (no cache; see CachedAttention)."""
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch, kv_stored: bool = False) -> torch.Tensor:
+        """q: [T, Hq*D] or [T, Hq, D] -> [T, Hq*D]. (`kv_stored`: for CachedAttention's call; no cache here.)"""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)

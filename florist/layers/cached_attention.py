@@ -5,7 +5,8 @@ The cache is slot-based and contiguous (docs/generation.md says why): per layer
     k_cache, v_cache [num_slots + 1, max_len, Hkv, D]      slot s, position p -> row s * max_len + p
                       └ the last slot is scratch for padding rows of decode graphs
 
-Every step first writes its tokens' k/v at `batch.slot_mapping`, then
+Every step first writes its tokens' k/v at `batch.slot_mapping` (`kv_store` says where, for a
+model whose rotary kernel writes them itself; else `forward` does), then
 - prefill (whole prompts, positions from 0): causal attention over the new tokens alone, with the
   model's ragged backend (florist.layers.attention), since they are all that the slot holds;
 - decode (one token per sequence): a decode backend reads the first `context_lens[b]` rows of
@@ -16,8 +17,11 @@ Decode backends form a small registry like the ragged ones, chosen once at const
              the fallback where FlashAttention does not apply (fp32, odd head sizes)
     "flash"  FlashAttention's varlen kernel (aten._flash_attention_forward): k/v are the flat
              cache, cu_seqlens_k = slot * max_len gives each sequence's start and seqused_k its
-             length, so nothing is gathered; fewer kv heads are taken natively (GQA).
-Both only queue device work (no host reads): decode steps are captured in CUDA graphs.
+             length, so nothing is gathered; fewer kv heads are taken natively (GQA). At batch 1
+             it runs as two kernels (split-KV, then combine).
+    "triton" florist's one-launch split-context kernel (florist/kernels/decode_attention.py):
+             the CUDA default for fp16/bf16 (docs/benchmarks.md compares it with "flash").
+All only queue device work (no host reads): decode steps are captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from florist.engine.generation.batch import GenerationBatch
+from florist.kernels import decode_attention
 from florist.kernels.kv_cache import store_kv
+from florist.kernels.rotary import KVStore
 from florist.layers.attention import AttentionFn
 
 # (q [B, Hq, D], k_cache, v_cache [S, L, Hkv, D], batch, scale) -> out [B, Hq, D]
@@ -51,10 +57,9 @@ def flash_decode_available() -> bool:
 
 
 def select_decode_backend(name: str | None, device: torch.device, head_dim: int, dtype: torch.dtype) -> DecodeFn:
-    """None: "flash" on CUDA for fp16/bf16 and head_dim % 8 == 0, else "torch"."""
+    """None: "triton" on CUDA for fp16/bf16 where Triton imports, else "torch"."""
     if name is None:
-        flash_ok = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
-        name = "flash" if flash_ok and flash_decode_available() else "torch"
+        name = "triton" if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and decode_attention.triton is not None else "torch"
     if name not in _DECODE_BACKENDS:
         raise ValueError(f"unknown decode attention backend {name!r}; choose one of {sorted(_DECODE_BACKENDS)}")
     return _DECODE_BACKENDS[name]()
@@ -73,6 +78,14 @@ def _torch_decode() -> DecodeFn:
             q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=q.shape[1] != k_cache.shape[2]
         )
         return out.squeeze(2)
+
+    return attn
+
+
+@register_decode_backend("triton")
+def _triton_decode() -> DecodeFn:
+    def attn(q, k_cache, v_cache, batch: GenerationBatch, scale: float) -> torch.Tensor:
+        return decode_attention.decode_attention(q, k_cache, v_cache, batch.slots, batch.context_lens, scale)
 
     return attn
 
@@ -113,15 +126,22 @@ class CachedAttention(nn.Module):
             raise ValueError(f"cache of shape {tuple(k_cache.shape)} does not hold {self.num_kv_heads} kv heads of {self.head_dim}")
         self.k_cache, self.v_cache = k_cache, v_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: GenerationBatch) -> torch.Tensor:
-        """q: [T, Hq*D] or [T, Hq, D] -> [T, Hq*D]; writes this step's k/v into the cache."""
+    def kv_store(self, v: torch.Tensor, batch: GenerationBatch) -> KVStore:
+        """(v, flat k cache, flat v cache, rows): where this step's k/v go, for a caller that
+        writes them itself (Qwen3's QK-norm + rotary kernel does, in the same launch)."""
+        rows = self.k_cache.shape[0] * self.k_cache.shape[1]
+        flat = (self.num_kv_heads, self.head_dim)
+        return v, self.k_cache.view(rows, *flat), self.v_cache.view(rows, *flat), batch.slot_mapping
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: GenerationBatch, kv_stored: bool = False) -> torch.Tensor:
+        """q: [T, Hq*D] or [T, Hq, D] -> [T, Hq*D]; writes this step's k/v into the cache unless
+        the caller already did (`kv_stored`, through `kv_store`)."""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        rows = self.k_cache.shape[0] * self.k_cache.shape[1]
-        flat = (self.num_kv_heads, self.head_dim)
-        store_kv(k, v, self.k_cache.view(rows, *flat), self.v_cache.view(rows, *flat), batch.slot_mapping)
+        if not kv_stored:
+            store_kv(k, *self.kv_store(v, batch))
         if batch.decode:
             out = self.decode_backend(q, self.k_cache, self.v_cache, batch, self.scale)
         else:

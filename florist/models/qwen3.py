@@ -39,15 +39,18 @@ class Qwen3Attention(nn.Module):
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        # QK-norm over head_dim and rotary in one kernel, reading q and k in place inside qkv.
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        # QK-norm over head_dim and rotary in one kernel, reading q and k in place inside qkv;
+        # with a KV cache (generation) the same launch writes the rotated k and v into it.
         q, k = qk_norm_rope(
             q.reshape(t, self.num_heads, self.head_dim), k.reshape(t, self.num_kv_heads, self.head_dim),
             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.positions, self.rotary.cos_sin_cache,
+            kv_store=self.attn.kv_store(v, batch),
         )
         return q, k, v
 
     def forward(self, x: torch.Tensor, batch: RaggedBatch) -> torch.Tensor | SplitKPartials:
-        return self.o_proj.forward_deferred(self.attn(*self._qkv(x, batch), batch))
+        return self.o_proj.forward_deferred(self.attn(*self._qkv(x, batch), batch, kv_stored=True))
 
     def forward_last(self, x: torch.Tensor, batch: RaggedBatch, last: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """Keys and values of every token, the output of each sequence's last token only: [B, H]."""

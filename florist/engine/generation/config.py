@@ -24,6 +24,9 @@ class GenerationConfig:
     # Launch decode step N+1 before reading step N's ids while the running set stays the same
     # (generator.py); False: every step waits for the previous one's ids on the host.
     pipelined_decode: bool = True
+    # Decode attention backend (florist.layers.cached_attention): None picks "triton" on CUDA
+    # for fp16/bf16, else "torch"; "flash" is FlashAttention's split-KV kernel.
+    decode_attention: str | None = None
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1 or self.max_num_seqs < 1 or self.max_prefill_tokens < 1:

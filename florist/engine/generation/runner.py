@@ -49,13 +49,13 @@ class _LastDecode:
 
 class GenerationRunner:
     def __init__(self, model_dir: ModelDir, device: torch.device, dtype: torch.dtype, config: GenerationConfig, max_len: int,
-                 attention_backend: str | None = None, decode_backend: str | None = None):
+                 attention_backend: str | None = None):
         cfg = model_dir.config
         if cfg.family != "qwen3" or not cfg.causal:
             raise ValueError(f"generation serves Qwen3 causal LMs; {model_dir.name} is a {cfg.model_type} model")
         self.device, self.dtype, self.max_len = device, dtype, max_len
         backend = select_backend(attention_backend, device, cfg.head_dim, dtype)
-        decode = select_decode_backend(decode_backend, device, cfg.head_dim, dtype)
+        decode = select_decode_backend(config.decode_attention, device, cfg.head_dim, dtype)
         previous = torch.get_default_dtype()
         try:
             torch.set_default_dtype(dtype)

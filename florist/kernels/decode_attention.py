@@ -1,0 +1,203 @@
+"""Decode attention over the slot KV cache in one launch: one query token per sequence.
+
+    q                [B, Hq, D]        (any token/head stride; D contiguous)
+    k_cache, v_cache [S, L, Hkv, D]    contiguous slot cache (florist.layers.cached_attention)
+    slots            int64 [B]         each sequence's slot
+    context_lens     int32 [B]         keys to attend to (this step's token included)
+    out              [B, Hq, D]
+
+A program owns one (sequence, kv head, split): the `group = Hq / Hkv` query heads that share the
+kv head (grouped-query attention reads each key once) over one slice of the context. The context
+is cut into NUM_SPLITS slices *at run time* from the sequence's own length, so a short context
+and a long one both spread over the same programs, and nothing depends on host values that vary
+between steps (the launch is captured in decode CUDA graphs):
+
+    slice = ceil(ceil(len / NUM_SPLITS) / BLOCK_N) * BLOCK_N        program s: [s*slice, (s+1)*slice)
+
+Each program keeps an online softmax (running max m, sum l, accumulator acc, fp32, base 2) and
+stores (m, l, acc) for its slice. The last of a (sequence, kv head)'s programs to finish (an
+atomic counter, which that program resets to 0 for the next launch) merges the slices in order
+0..NUM_SPLITS-1 and writes the output: no second "combine" kernel, and the merge order is fixed,
+so results do not depend on which program finished last.
+
+    out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,    M = max_s m_s
+
+The torch reference (`decode_attention_ref`) gathers each sequence's keys and masks by length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference below is the whole implementation
+    triton = None
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+_MAX_PROGRAMS_FOR_SPLITS = 256  # split until B * Hkv * NUM_SPLITS reaches about this (~2 per SM)
+_MAX_SPLITS = 16
+
+
+def decode_attention_ref(q, k_cache, v_cache, slots, context_lens, scale: float) -> torch.Tensor:
+    """SDPA over each sequence's gathered cache rows under a length mask (fp32 softmax inside)."""
+    n = k_cache.shape[1]
+    keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache[slots].transpose(1, 2)
+    mask = torch.arange(n, device=q.device) < context_lens.unsqueeze(1)  # [B, L]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=q.shape[1] != k_cache.shape[2]
+    )
+    return out.squeeze(2)
+
+
+def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Host-side checks only (safe in CUDA graphs)."""
+    return (
+        triton is not None and q.is_cuda and q.dtype in _FLOAT_DTYPES and q.dim() == 3 and q.stride(-1) == 1
+        and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and k_cache.shape == v_cache.shape and k_cache.shape[-1] == q.shape[-1] and q.shape[1] % k_cache.shape[2] == 0
+    )
+
+
+def num_splits(batch_rows: int, num_kv_heads: int) -> int:
+    """Enough context slices that the launch has ~_MAX_PROGRAMS_FOR_SPLITS programs (a power of two)."""
+    want = max(1, _MAX_PROGRAMS_FOR_SPLITS // max(1, batch_rows * num_kv_heads))
+    return min(_MAX_SPLITS, 1 << (want.bit_length() - 1))
+
+
+class _Counters:
+    """One zeroed int32 counter per (sequence, kv head) and device, shared by every layer and
+    graph (launches on one stream never overlap, and each launch leaves its counters at 0)."""
+
+    def __init__(self):
+        self.by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, n: int) -> torch.Tensor:
+        have = self.by_device.get(device)
+        if have is None or have.numel() < n:
+            # NOTE: allocated on first use, which is an eager step: decode graphs are captured on
+            # a bucket's second step, and the KV cache bounds the rows of every later one.
+            assert not torch.cuda.is_current_stream_capturing(), "decode attention counters must exist before graph capture"
+            have = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+            self.by_device[device] = have
+        return have
+
+
+_counters = _Counters()
+
+
+def decode_attention(q, k_cache, v_cache, slots, context_lens, scale: float, splits: int | None = None) -> torch.Tensor:
+    if applies(q, k_cache, v_cache):
+        return decode_attention_triton(q, k_cache, v_cache, slots, context_lens, scale, splits)
+    return decode_attention_ref(q, k_cache, v_cache, slots, context_lens, scale)
+
+
+def decode_attention_triton(q, k_cache, v_cache, slots, context_lens, scale: float, splits: int | None = None,
+                            counters: torch.Tensor | None = None) -> torch.Tensor:
+    b, hq, d = q.shape
+    _, max_len, hkv, _ = k_cache.shape
+    assert slots.shape == (b,) and context_lens.shape == (b,), f"slots {tuple(slots.shape)} / context_lens {tuple(context_lens.shape)} must be [{b}]"
+    assert not q.is_cuda or q.device.index == torch.cuda.current_device(), (
+        f"tensors are on {q.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({q.device}) first"
+    )
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    group = hq // hkv
+    splits = splits or num_splits(b, hkv)
+    block_d = triton.next_power_of_2(d)
+    block_g = triton.next_power_of_2(group)
+    block_n = max(16, min(64, 8192 // (block_g * block_d)))  # the [G, BLOCK_N, D] product in registers
+    if splits > 1:
+        part_acc = torch.empty((b, hkv, splits, block_g, block_d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((b, hkv, splits, 2, block_g), dtype=torch.float32, device=q.device)
+        counters = counters if counters is not None else _counters.get(q.device, b * hkv)
+    else:
+        part_acc = part_ml = counters = out  # unused
+    _decode_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, slots, context_lens, out, part_acc, part_ml, counters,
+        q.stride(0), q.stride(1), max_len, hkv, group, d, scale * _LOG2E,
+        NUM_SPLITS=splits, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
+@_jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr, counter_ptr,
+                   stride_qb, stride_qh, max_len, num_kv_heads, group, head_dim, scale_log2,
+                   NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_ok, d_ok = g < group, d < head_dim
+    q_heads = h * group + g
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(tl.float32) * scale_log2  # scores in base 2: exp(x) = exp2(x * log2(e))
+
+    length = tl.load(lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = s * per_split
+    end = tl.minimum(start + per_split, length)
+    row_stride = num_kv_heads * head_dim  # one position of the cache: Hkv x D values
+    base = tl.load(slots_ptr + b).to(tl.int64) * max_len * row_stride + h * head_dim
+
+    m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    block_start = start
+    while block_start < end:  # a run-time trip count: this slice's keys only
+        pos = block_start + n
+        pos_ok = pos < end
+        offs = base + pos.to(tl.int64)[:, None] * row_stride + d[None, :]
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BLOCK_N]
+        scores = tl.where(pos_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        # A block with no valid key leaves m_new = -inf: keep the exponent finite (it then adds 0).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+        block_start += BLOCK_N
+
+    out_offs = b.to(tl.int64) * num_kv_heads * group * head_dim + q_heads[:, None] * head_dim + d[None, :]
+    out_mask = g_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + out_offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        bh = b.to(tl.int64) * num_kv_heads + h
+        tile = g[:, None] * BLOCK_D + d[None, :]
+        tl.store(acc_ptr + (bh * NUM_SPLITS + s) * BLOCK_G * BLOCK_D + tile, acc)
+        ml = ml_ptr + (bh * NUM_SPLITS + s) * 2 * BLOCK_G
+        tl.store(ml + g, m)
+        tl.store(ml + BLOCK_G + g, l)
+        # Every thread's stores land before the counter moves (barrier, then a release at GPU
+        # scope); the program that sees NUM_SPLITS - 1 acquires them all and merges.
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if done == NUM_SPLITS - 1:
+            tl.store(counter_ptr + bh, 0)  # ready for the next launch
+            splits = tl.arange(0, NUM_SPLITS)
+            ml_all = ml_ptr + (bh * NUM_SPLITS + splits[:, None]) * 2 * BLOCK_G + g[None, :]  # [S, G]
+            m_all = tl.load(ml_all, cache_modifier=".cg")
+            l_all = tl.load(ml_all + BLOCK_G, cache_modifier=".cg")
+            m_max = tl.max(m_all, axis=0)  # [G]; finite: slice 0 always holds the first key
+            w = tl.exp2(m_all - m_max[None, :])  # empty slices: exp2(-inf) = 0
+            total = tl.sum(l_all * w, axis=0)
+            merged = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+            for i in tl.static_range(NUM_SPLITS):  # a fixed order: the same bits whoever merges
+                part = tl.load(acc_ptr + (bh * NUM_SPLITS + i) * BLOCK_G * BLOCK_D + tile, cache_modifier=".cg")
+                w_i = tl.sum(tl.where(splits[:, None] == i, w, 0.0), axis=0)
+                merged += part * w_i[:, None]
+            tl.store(out_ptr + out_offs, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+

@@ -1,0 +1,105 @@
+"""The one-launch decode attention kernel against its reference (SDPA over the gathered cache):
+under Triton's interpreter on the CPU, compiled on CUDA (skipped without it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from florist.kernels.decode_attention import decode_attention, decode_attention_ref, num_splits
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CASES = """
+import math
+import torch
+from florist.kernels import decode_attention as da
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def inputs(g, batch, heads, kv_heads, head_dim, slots, max_len, dtype, device):
+    qkv = torch.randn(batch, heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
+    q = qkv[:, :heads]  # a strided view, as sliced from a fused qkv projection
+    k_cache = torch.randn(slots, max_len, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots, max_len, kv_heads, head_dim, generator=g).to(dtype)
+    slot_ids = torch.randperm(slots, generator=g)[:batch]
+    lens = torch.randint(1, max_len + 1, (batch,), generator=g, dtype=torch.int32)
+    lens[0] = 1
+    if batch > 1:
+        lens[1] = max_len
+    for b in range(batch):  # stale rows past each length hold NaN / inf: they must be masked out
+        n = int(lens[b])
+        if n < max_len:
+            k_cache[slot_ids[b], n:] = float("nan")
+            v_cache[slot_ids[b], n:] = float("inf")
+    return [t.to(device) for t in (q, k_cache, v_cache, slot_ids, lens)]
+
+
+def reference(q, k_cache, v_cache, slots, lens, scale):
+    clean = [torch.nan_to_num(t.float().cpu(), nan=0.0, posinf=0.0) for t in (k_cache, v_cache)]
+    return da.decode_attention_ref(q.float().cpu(), *clean, slots.cpu(), lens.cpu(), scale)
+
+
+def check(device):
+    g = torch.Generator().manual_seed(0)
+    shapes = [  # batch, q heads, kv heads, head_dim, slots, max_len
+        (1, 16, 8, 128, 2, 70),
+        (3, 4, 4, 32, 5, 33),
+        (2, 6, 2, 24, 4, 100),  # group 3 and head_dim 24: both padded to powers of two
+        (5, 2, 1, 64, 6, 17),
+    ]
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    for (batch, heads, kv_heads, head_dim, slots, max_len), dtype in [(s, d) for s in shapes for d in dtypes]:
+        q, k_cache, v_cache, slot_ids, lens = inputs(g, batch, heads, kv_heads, head_dim, slots, max_len, dtype, device)
+        scale = 1.0 / math.sqrt(head_dim)
+        expected = reference(q, k_cache, v_cache, slot_ids, lens, scale)
+        for splits in (1, 2, 4, None):
+            counters = torch.zeros(64, dtype=torch.int32, device=device)
+            out = da.decode_attention_triton(q, k_cache, v_cache, slot_ids, lens, scale, splits, counters=counters)
+            assert out.shape == (batch, heads, head_dim) and out.dtype == dtype
+            assert torch.isfinite(out).all(), (dtype, splits, "stale NaN/inf leaked into the output")
+            torch.testing.assert_close(out.float().cpu(), expected, rtol=TOL[dtype], atol=TOL[dtype], msg=lambda m: f"{dtype} splits={splits}: {m}")
+            assert not counters.any(), "every launch leaves its counters at zero"
+            again = da.decode_attention_triton(q, k_cache, v_cache, slot_ids, lens, scale, splits, counters=counters)
+            assert torch.equal(out, again), "the merge order is fixed: the same inputs give the same bits"
+    # NaN inside the context reaches the output of the heads that read it, as in the reference
+    q, k_cache, v_cache, slot_ids, lens = inputs(g, 2, 4, 2, 32, 3, 40, torch.float32, device)
+    v_cache[slot_ids[1], 0, 1, 3] = float("nan")
+    out = da.decode_attention_triton(q, k_cache, v_cache, slot_ids, lens, 0.2, 4, counters=torch.zeros(8, dtype=torch.int32, device=device))
+    nan = out.isnan().cpu()
+    assert nan[1, 2:, 3].all() and nan.sum() == 2, nan.nonzero()
+    print("decode attention ok")
+"""
+
+
+def test_decode_attention_kernel_interpreted():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", CASES + "\ncheck('cpu')"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "decode attention ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_attention_kernel_compiled():
+    namespace: dict = {}
+    exec(CASES, namespace)
+    namespace["check"]("cuda")
+
+
+def test_decode_attention_takes_the_reference_on_cpu():
+    q = torch.randn(2, 4, 16)
+    k, v = torch.randn(3, 10, 2, 16), torch.randn(3, 10, 2, 16)
+    slots, lens = torch.tensor([2, 0]), torch.tensor([4, 10], dtype=torch.int32)
+    torch.testing.assert_close(decode_attention(q, k, v, slots, lens, 0.25), decode_attention_ref(q, k, v, slots, lens, 0.25))
+
+
+def test_num_splits_spreads_small_batches():
+    assert num_splits(1, 8) == 16  # batch-1 decode of the Qwen3-0.6B geometry: 128 programs
+    assert num_splits(32, 8) == 1
+    assert all(num_splits(b, h) & (num_splits(b, h) - 1) == 0 for b in range(1, 70) for h in (1, 2, 8))
