@@ -103,3 +103,17 @@ def test_num_splits_spreads_small_batches():
     assert num_splits(1, 8) == 16  # batch-1 decode of the Qwen3-0.6B geometry: 128 programs
     assert num_splits(32, 8) == 1
     assert all(num_splits(b, h) & (num_splits(b, h) - 1) == 0 for b in range(1, 70) for h in (1, 2, 8))
+
+
+def test_auto_decode_backend_takes_triton_for_few_sequences(monkeypatch):
+    from florist.layers import cached_attention as ca
+
+    calls = []
+    monkeypatch.setattr(ca, "_triton_decode", lambda: lambda q, *a: calls.append(("triton", q.shape[0])))
+    monkeypatch.setattr(ca, "_flash_decode", lambda: lambda q, *a: calls.append(("flash", q.shape[0])))
+    attn = ca.select_decode_backend("auto", torch.device("cpu"), 128, torch.bfloat16)
+    k_cache = torch.empty(9, 4, 8, 128)  # 8 kv heads, as Qwen3-0.6B
+    for rows in (1, 4, 8, 32):
+        attn(torch.empty(rows, 16, 128), k_cache, k_cache, None, 0.1)
+    assert calls == [("triton", 1), ("triton", 4), ("flash", 8), ("flash", 32)]
+    assert ca.select_decode_backend(None, torch.device("cpu"), 128, torch.bfloat16).__qualname__.startswith("_torch_decode")

@@ -173,21 +173,33 @@ def _graph_batch(lens):
                  seq_lens_host=(), single_sequence=seqs == 2, has_padding=not exact)
 
 
-def _choice(batch, causal=True, short_kernel=True):
-    return attention.auto_choice(batch, batch.num_tokens, causal, short_kernel)
+def _choice(batch, causal=True, short_kernel=True, width=16 * 128):
+    return attention.auto_choice(batch, batch.num_tokens, causal, short_kernel, width)
 
 
 def _eager_batch(lens):
     return to_device(HostBatch.from_sequences([[1] * n for n in lens]), torch.device("cpu"))
 
 
-def test_auto_takes_the_short_kernel_for_short_sequences():
-    assert (attention.SHORT_MAX_SEQLEN, attention.SHORT_MAX_TOKENS) == (256, 1024)
-    for lens in ([128], [1], [100, 7, 33], [256], [128] * 8, [256] * 4, [1] * 1024):
-        for causal in (True, False):
-            assert _choice(_eager_batch(lens), causal) == "triton", lens
-            assert _choice(_graph_batch(lens), causal) == "triton", lens  # padded bucket: the dummy is a sequence
-    # Above either bound the earlier measured choices stand.
+def test_auto_takes_the_short_kernel_where_it_was_measured_faster():
+    qwen3, minilm = 16 * 128, 12 * 32  # query heads x head_dim
+    for causal in (True, False):
+        for make in (_eager_batch, _graph_batch):
+            # one sequence: while tokens x max_seqlen x width stays small
+            assert _choice(make([128]), causal, width=qwen3) == "triton"
+            assert _choice(make([1]), causal, width=qwen3) == "triton"
+            assert _choice(make([256]), causal, width=minilm) == "triton"
+            assert _choice(make([256]), causal, width=qwen3) != "triton"
+            # ragged batches of short sequences, whatever the width
+            assert _choice(make([100, 7, 33]), causal, width=qwen3) == "triton"
+            assert _choice(make([200, 150, 180, 90]), causal, width=qwen3) == "triton"
+    # equal lengths: dense SDPA (faster than the kernel at 8 x 128 for both models); in a graph
+    # bucket (never equal lengths) more than SHORT_MAX_SEQS sequences stay with varlen
+    assert _choice(_eager_batch([128] * 8)) == "sdpa_batched"
+    assert _choice(_graph_batch([128] * 8)) == "varlen"
+    assert _choice(_graph_batch([100] * 7)) == "triton"
+    assert _choice(_eager_batch([128] * 8), width=12 * 32) == "sdpa_batched"
+    # Above either bound the earlier choices stand.
     assert _choice(_eager_batch([257])) == "sdpa_batched"
     assert _choice(_graph_batch([257])) == "sdpa_single"  # causal single sequence over the bucket
     assert _choice(_graph_batch([257]), causal=False) == "varlen"

@@ -150,9 +150,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, m
     l = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     n = tl.arange(0, BLOCK_N)
-    block_start = start
-    while block_start < end:  # a run-time trip count: this slice's keys only
-        pos = block_start + n
+    # A run-time trip count (this slice's keys only) in a `for` loop, which Triton pipelines.
+    # NOTE: Triton 3.6's interpreter cannot take a trip count loaded from memory (3.9's can).
+    for block in range(0, tl.cdiv(end - start, BLOCK_N)):
+        pos = start + block * BLOCK_N + n
         pos_ok = pos < end
         offs = base + pos.to(tl.int64)[:, None] * row_stride + d[None, :]
         kv_mask = pos_ok[:, None] & d_ok[None, :]
@@ -168,7 +169,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, m
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-        block_start += BLOCK_N
 
     out_offs = b.to(tl.int64) * num_kv_heads * group * head_dim + q_heads[:, None] * head_dim + d[None, :]
     out_mask = g_ok[:, None] & d_ok[None, :]

@@ -135,19 +135,32 @@ def _triton_backend() -> AttentionFn:
     return attn
 
 
-# NOTE: where the Triton kernel beats cuDNN SDPA / varlen FlashAttention awaits measurement on
-# the H200 by bench/attention.py; these bounds are the expected region (batch-1 embedding
-# requests, ~128 x 128 scores per head, where cuDNN's per-call costs dominate), not measured ones.
+# Where the Triton kernel wins, from bench/attention.py on the H200 (CUDA graphs, docs/benchmarks.md):
+# - a single sequence while the score work is small: Qwen3-0.6B (16 x 128 per token) at 64 / 128
+#   tokens (3.7 / 6.0 us against cuDNN's 7.3 / 7.2 with its memset) but not at 256 (10.2 vs 9.0);
+#   all-MiniLM-L6-v2 (12 x 32) up to 256 tokens (5.5 vs 6.9) but not at 512;
+# - ragged batches of short sequences (4 <= 200 tokens: 11.6 us against varlen's 14.1 for Qwen3,
+#   7.0 against 9.2 for MiniLM);
+# - never equal-length batches (8 x 128: dense SDPA is faster for both models, and varlen too:
+#   10.1 us against the kernel's 13.5 for Qwen3), hence the bound on sequences (a graph bucket's
+#   batch, dummy included, is never "equal lengths").
 SHORT_MAX_SEQLEN = 256  # longest sequence (a host bound: the graph bucket's)
 SHORT_MAX_TOKENS = 1024  # tokens in the batch, padding included
+SHORT_MAX_SEQS = 8  # sequences in a ragged batch (a graph bucket's dummy included)
+SHORT_SINGLE_MAX_WORK = 1 << 26  # one sequence: tokens x max_seqlen x (query heads x head_dim)
 
 
-def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel: bool) -> str:
+def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel: bool, width: int) -> str:
     """Which kernel "auto" runs, from host values only (one graph bucket always takes one path):
     "triton" | "sdpa_batched" | "sdpa_single" | "varlen". `short_kernel`: whether the Triton
-    kernel applies to these tensors at all (CUDA, triton importable, a supported layout)."""
+    kernel applies to these tensors at all (CUDA, triton importable, a supported layout);
+    `width`: query heads x head_dim."""
     if short_kernel and batch.max_seqlen <= SHORT_MAX_SEQLEN and num_tokens <= SHORT_MAX_TOKENS:
-        return "triton"
+        if batch.single_sequence:
+            if num_tokens * batch.max_seqlen * width <= SHORT_SINGLE_MAX_WORK:
+                return "triton"
+        elif not batch.uniform_seqlen and batch.num_seqs <= SHORT_MAX_SEQS:
+            return "triton"
     if batch.uniform_seqlen:
         return "sdpa_batched"
     if batch.single_sequence and (causal or not batch.has_padding):
@@ -159,8 +172,9 @@ def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel:
 def _auto_backend() -> AttentionFn:
     """CUDA default, chosen per shape (`auto_choice`) from bench/attention.py's measurements (H200,
     bf16: cuDNN's SDPA runs dense batches 2-3x faster than varlen FlashAttention):
-    - short sequences, few tokens (SHORT_MAX_SEQLEN / SHORT_MAX_TOKENS, not yet measured): the
-      Triton kernel, one launch with no memset (a bucket's dummy sequence is attended like any other);
+    - one short sequence with little score work, or a ragged batch of short sequences
+      (SHORT_*): the Triton kernel, one launch with no memset (a bucket's dummy sequence is
+      attended like any other);
     - sequences all of one length (and no padding): one dense SDPA call;
     - one sequence, with no padding or with causal attention: SDPA over all tokens (causal real
       tokens never see the padding after them);
@@ -170,7 +184,7 @@ def _auto_backend() -> AttentionFn:
     varlen = _varlen_backend()
 
     def attn(q, k, v, batch: RaggedBatch, causal: bool, scale: float) -> torch.Tensor:
-        choice = auto_choice(batch, q.shape[0], causal, short.applies(q, k, v, batch.cu_seqlens))
+        choice = auto_choice(batch, q.shape[0], causal, short.applies(q, k, v, batch.cu_seqlens), q.shape[1] * q.shape[2])
         if choice == "triton":
             return short.short_attention_triton(q, k, v, batch.cu_seqlens, batch.max_seqlen, causal, scale)
         if choice == "sdpa_batched":
