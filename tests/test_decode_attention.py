@@ -59,19 +59,22 @@ def check(device):
         q, k_cache, v_cache, slot_ids, lens = inputs(g, batch, heads, kv_heads, head_dim, slots, max_len, dtype, device)
         scale = 1.0 / math.sqrt(head_dim)
         expected = reference(q, k_cache, v_cache, slot_ids, lens, scale)
-        for splits in (1, 2, 4, None):
+        # min_split_keys below the lengths here exercises the merge (and slices that go unused)
+        for splits, min_keys in ((1, 256), (2, 16), (4, 16), (4, 1), (None, 8), (None, 256)):
             counters = torch.zeros(64, dtype=torch.int32, device=device)
-            out = da.decode_attention_triton(q, k_cache, v_cache, slot_ids, lens, scale, splits, counters=counters)
+            out = da.decode_attention_triton(q, k_cache, v_cache, slot_ids, lens, scale, splits, counters=counters, min_split_keys=min_keys)
             assert out.shape == (batch, heads, head_dim) and out.dtype == dtype
             assert torch.isfinite(out).all(), (dtype, splits, "stale NaN/inf leaked into the output")
             torch.testing.assert_close(out.float().cpu(), expected, rtol=TOL[dtype], atol=TOL[dtype], msg=lambda m: f"{dtype} splits={splits}: {m}")
             assert not counters.any(), "every launch leaves its counters at zero"
-            again = da.decode_attention_triton(q, k_cache, v_cache, slot_ids, lens, scale, splits, counters=counters)
+            again = da.decode_attention_triton(q, k_cache, v_cache, slot_ids, lens, scale, splits, counters=counters, min_split_keys=min_keys)
             assert torch.equal(out, again), "the merge order is fixed: the same inputs give the same bits"
+            assert not counters.any()
     # NaN inside the context reaches the output of the heads that read it, as in the reference
     q, k_cache, v_cache, slot_ids, lens = inputs(g, 2, 4, 2, 32, 3, 40, torch.float32, device)
     v_cache[slot_ids[1], 0, 1, 3] = float("nan")
-    out = da.decode_attention_triton(q, k_cache, v_cache, slot_ids, lens, 0.2, 4, counters=torch.zeros(8, dtype=torch.int32, device=device))
+    out = da.decode_attention_triton(q, k_cache, v_cache, slot_ids, lens, 0.2, 4, counters=torch.zeros(8, dtype=torch.int32, device=device),
+                                     min_split_keys=8)
     nan = out.isnan().cpu()
     assert nan[1, 2:, 3].all() and nan.sum() == 2, nan.nonzero()
     print("decode attention ok")

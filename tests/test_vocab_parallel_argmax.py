@@ -115,6 +115,20 @@ def test_logits_processor_tp1(vocab, soft_cap, scale):
     assert torch.equal(proc.get_top_tokens(hidden), torch.argmax(expected, -1))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_logits_processor_tp1_cuda_matches_argmax():
+    """At TP 1 on CUDA get_top_tokens runs the candidate kernels: the same ids as torch.argmax."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 151936
+    head = ParallelLMHead(vocab, 64).to(torch.bfloat16).cuda()
+    head.weight_loader(head.weight, torch.randn(vocab, 64, generator=g).to(torch.bfloat16).cuda())
+    proc = LogitsProcessor(head, vocab)
+    for rows in (1, 3, 32):
+        hidden = torch.randn(rows, 64, generator=g).to(torch.bfloat16).cuda()
+        hidden[0] = 0  # every logit 0: a tie across the vocabulary, the first id wins
+        assert torch.equal(proc.get_top_tokens(hidden), torch.argmax(proc.compute_logits(hidden), -1))
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the Triton kernels themselves, and a captured CUDA graph
 

@@ -8,14 +8,15 @@
 
 A program owns one (sequence, kv head, split): the `group = Hq / Hkv` query heads that share the
 kv head (grouped-query attention reads each key once) over one slice of the context. The context
-is cut into NUM_SPLITS slices *at run time* from the sequence's own length, so a short context
-and a long one both spread over the same programs, and nothing depends on host values that vary
-between steps (the launch is captured in decode CUDA graphs):
+is cut into slices *at run time* from the sequence's own length, so nothing depends on host
+values that vary between steps (the launch is captured in decode CUDA graphs):
 
-    slice = ceil(ceil(len / NUM_SPLITS) / BLOCK_N) * BLOCK_N        program s: [s*slice, (s+1)*slice)
+    active = min(NUM_SPLITS, ceil(len / MIN_SPLIT_KEYS))           programs s >= active return
+    slice  = ceil(ceil(len / active) / BLOCK_N) * BLOCK_N           program s: [s*slice, (s+1)*slice)
 
-Each program keeps an online softmax (running max m, sum l, accumulator acc, fp32, base 2) and
-stores (m, l, acc) for its slice. The last of a (sequence, kv head)'s programs to finish (an
+A short context (active = 1) is one program per kv head that writes the output itself. Otherwise
+each program keeps an online softmax (running max m, sum l, accumulator acc, fp32, base 2) and
+stores (m, l, acc) for its slice, and the last of a (sequence, kv head)'s programs to finish (an
 atomic counter, which that program resets to 0 for the next launch) merges the slices in order
 0..NUM_SPLITS-1 and writes the output: no second "combine" kernel, and the merge order is fixed,
 so results do not depend on which program finished last.
@@ -41,6 +42,9 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 _MAX_PROGRAMS_FOR_SPLITS = 256  # split until B * Hkv * NUM_SPLITS reaches about this (~2 per SM)
 _MAX_SPLITS = 16
+# Keys per context slice at least: below 2 x this a sequence runs unsplit (one program per kv
+# head, no merge), which is what short contexts want; long ones still spread over NUM_SPLITS.
+MIN_SPLIT_KEYS = 256
 
 
 def decode_attention_ref(q, k_cache, v_cache, slots, context_lens, scale: float) -> torch.Tensor:
@@ -98,7 +102,7 @@ def decode_attention(q, k_cache, v_cache, slots, context_lens, scale: float, spl
 
 
 def decode_attention_triton(q, k_cache, v_cache, slots, context_lens, scale: float, splits: int | None = None,
-                            counters: torch.Tensor | None = None) -> torch.Tensor:
+                            counters: torch.Tensor | None = None, min_split_keys: int = MIN_SPLIT_KEYS) -> torch.Tensor:
     b, hq, d = q.shape
     _, max_len, hkv, _ = k_cache.shape
     assert slots.shape == (b,) and context_lens.shape == (b,), f"slots {tuple(slots.shape)} / context_lens {tuple(context_lens.shape)} must be [{b}]"
@@ -117,12 +121,13 @@ def decode_attention_triton(q, k_cache, v_cache, slots, context_lens, scale: flo
         part_acc = torch.empty((b, hkv, splits, block_g, block_d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((b, hkv, splits, 2, block_g), dtype=torch.float32, device=q.device)
         counters = counters if counters is not None else _counters.get(q.device, b * hkv)
-    else:
-        part_acc = part_ml = counters = out  # unused
+    else:  # never touched (no slice merges), but typed as the kernel's merge branch expects
+        part_acc = part_ml = torch.empty(1, dtype=torch.float32, device=q.device)
+        counters = torch.empty(1, dtype=torch.int32, device=q.device)
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, slots, context_lens, out, part_acc, part_ml, counters,
         q.stride(0), q.stride(1), max_len, hkv, group, d, scale * _LOG2E,
-        NUM_SPLITS=splits, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d, num_warps=4,
+        NUM_SPLITS=splits, MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d, num_warps=4,
     )
     return out
 
@@ -130,74 +135,80 @@ def decode_attention_triton(q, k_cache, v_cache, slots, context_lens, scale: flo
 @_jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr, counter_ptr,
                    stride_qb, stride_qh, max_len, num_kv_heads, group, head_dim, scale_log2,
-                   NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    g_ok, d_ok = g < group, d < head_dim
-    q_heads = h * group + g
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(tl.float32) * scale_log2  # scores in base 2: exp(x) = exp2(x * log2(e))
-
     length = tl.load(lens_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = s * per_split
-    end = tl.minimum(start + per_split, length)
-    row_stride = num_kv_heads * head_dim  # one position of the cache: Hkv x D values
-    base = tl.load(slots_ptr + b).to(tl.int64) * max_len * row_stride + h * head_dim
+    # Slices in use for this sequence: each takes >= MIN_SPLIT_KEYS keys, so a short context
+    # runs as one program per kv head with no merge; the other programs return at once.
+    active = tl.minimum(tl.cdiv(length, MIN_SPLIT_KEYS), NUM_SPLITS)
+    if s < active:
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        g_ok, d_ok = g < group, d < head_dim
+        q_heads = h * group + g
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        q = q.to(tl.float32) * scale_log2  # scores in base 2: exp(x) = exp2(x * log2(e))
 
-    m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_G,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    # A run-time trip count (this slice's keys only) in a `for` loop, which Triton pipelines.
-    # NOTE: Triton 3.6's interpreter cannot take a trip count loaded from memory (3.9's can).
-    for block in range(0, tl.cdiv(end - start, BLOCK_N)):
-        pos = start + block * BLOCK_N + n
-        pos_ok = pos < end
-        offs = base + pos.to(tl.int64)[:, None] * row_stride + d[None, :]
-        kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BLOCK_N]
-        scores = tl.where(pos_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        # A block with no valid key leaves m_new = -inf: keep the exponent finite (it then adds 0).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m = m_new
+        per_split = tl.cdiv(tl.cdiv(length, active), BLOCK_N) * BLOCK_N
+        start = s * per_split
+        end = tl.minimum(start + per_split, length)
+        row_stride = num_kv_heads * head_dim  # one position of the cache: Hkv x D values
+        base = tl.load(slots_ptr + b).to(tl.int64) * max_len * row_stride + h * head_dim
 
-    out_offs = b.to(tl.int64) * num_kv_heads * group * head_dim + q_heads[:, None] * head_dim + d[None, :]
-    out_mask = g_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + out_offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        bh = b.to(tl.int64) * num_kv_heads + h
-        tile = g[:, None] * BLOCK_D + d[None, :]
-        tl.store(acc_ptr + (bh * NUM_SPLITS + s) * BLOCK_G * BLOCK_D + tile, acc)
-        ml = ml_ptr + (bh * NUM_SPLITS + s) * 2 * BLOCK_G
-        tl.store(ml + g, m)
-        tl.store(ml + BLOCK_G + g, l)
-        # Every thread's stores land before the counter moves (barrier, then a release at GPU
-        # scope); the program that sees NUM_SPLITS - 1 acquires them all and merges.
-        tl.debug_barrier()
-        done = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel", scope="gpu")
-        if done == NUM_SPLITS - 1:
-            tl.store(counter_ptr + bh, 0)  # ready for the next launch
-            splits = tl.arange(0, NUM_SPLITS)
-            ml_all = ml_ptr + (bh * NUM_SPLITS + splits[:, None]) * 2 * BLOCK_G + g[None, :]  # [S, G]
-            m_all = tl.load(ml_all, cache_modifier=".cg")
-            l_all = tl.load(ml_all + BLOCK_G, cache_modifier=".cg")
-            m_max = tl.max(m_all, axis=0)  # [G]; finite: slice 0 always holds the first key
-            w = tl.exp2(m_all - m_max[None, :])  # empty slices: exp2(-inf) = 0
-            total = tl.sum(l_all * w, axis=0)
-            merged = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-            for i in tl.static_range(NUM_SPLITS):  # a fixed order: the same bits whoever merges
-                part = tl.load(acc_ptr + (bh * NUM_SPLITS + i) * BLOCK_G * BLOCK_D + tile, cache_modifier=".cg")
-                w_i = tl.sum(tl.where(splits[:, None] == i, w, 0.0), axis=0)
-                merged += part * w_i[:, None]
-            tl.store(out_ptr + out_offs, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+        l = tl.zeros((BLOCK_G,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        # A run-time trip count (this slice's keys only) in a `for` loop, which Triton pipelines.
+        # NOTE: Triton 3.6's interpreter cannot take a trip count loaded from memory (3.9's can).
+        for block in range(0, tl.cdiv(end - start, BLOCK_N)):
+            pos = start + block * BLOCK_N + n
+            pos_ok = pos < end
+            offs = base + pos.to(tl.int64)[:, None] * row_stride + d[None, :]
+            kv_mask = pos_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BLOCK_N]
+            scores = tl.where(pos_ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            # A block with no valid key leaves m_new = -inf: keep the exponent finite (it then adds 0).
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
 
+        out_offs = b.to(tl.int64) * num_kv_heads * group * head_dim + q_heads[:, None] * head_dim + d[None, :]
+        out_mask = g_ok[:, None] & d_ok[None, :]
+        if active == 1:
+            tl.store(out_ptr + out_offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            bh = b.to(tl.int64) * num_kv_heads + h
+            tile = g[:, None] * BLOCK_D + d[None, :]
+            tl.store(acc_ptr + (bh * NUM_SPLITS + s) * BLOCK_G * BLOCK_D + tile, acc)
+            ml = ml_ptr + (bh * NUM_SPLITS + s) * 2 * BLOCK_G
+            tl.store(ml + g, m)
+            tl.store(ml + BLOCK_G + g, l)
+            # Every thread's stores land before the counter moves (barrier, then a release at
+            # GPU scope); the program that sees active - 1 acquires them all and merges.
+            tl.debug_barrier()
+            done = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel", scope="gpu")
+            if done == active - 1:
+                tl.store(counter_ptr + bh, 0)  # ready for the next launch
+                splits = tl.arange(0, NUM_SPLITS)
+                used = splits < active  # slices past `active` were never written this launch
+                ml_all = ml_ptr + (bh * NUM_SPLITS + splits[:, None]) * 2 * BLOCK_G + g[None, :]  # [S, G]
+                m_all = tl.load(ml_all, mask=used[:, None], other=float("-inf"), cache_modifier=".cg")
+                l_all = tl.load(ml_all + BLOCK_G, mask=used[:, None], other=0.0, cache_modifier=".cg")
+                m_max = tl.max(m_all, axis=0)  # [G]; finite: slice 0 always holds the first key
+                w = tl.exp2(m_all - m_max[None, :])  # unused slices: exp2(-inf) = 0
+                total = tl.sum(l_all * w, axis=0)
+                merged = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+                for i in tl.static_range(NUM_SPLITS):  # a fixed order: the same bits whoever merges
+                    part = tl.load(acc_ptr + (bh * NUM_SPLITS + i) * BLOCK_G * BLOCK_D + tile, cache_modifier=".cg")
+                    w_i = tl.sum(tl.where(splits[:, None] == i, w, 0.0), axis=0)
+                    # an unused slice holds whatever the buffer held: select it away, never scale it
+                    merged += tl.where(i < active, part * w_i[:, None], 0.0)
+                tl.store(out_ptr + out_offs, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)

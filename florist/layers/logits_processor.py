@@ -54,10 +54,14 @@ class LogitsProcessor(nn.Module):
     def get_top_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] -> greedy ids int64 [B] (the same on every rank), without gathering logits."""
         logits = self.local_logits(hidden)
-        if self.tp_size == 1:
-            # One shard: nothing to gather, and torch.argmax's order is the one the candidates
-            # implement, so one reduction over the real columns is the whole algorithm.
+        if self.tp_size == 1 and not logits.is_cuda:
+            # One shard: torch.argmax's order is the one the candidates implement, so one
+            # reduction over the real columns is the whole algorithm.
             return torch.argmax(logits[:, : self.vocab_size], dim=-1)
-        # Triton kernels on CUDA, the torch reference of the same algorithm elsewhere.
+        # Triton kernels on CUDA (at TP 1 too: at one row, torch.argmax over a 152k vocabulary
+        # is one slow reduction, the candidates spread it over 64 programs), the torch
+        # reference of the same algorithm elsewhere.
         candidates = local_argmax_candidates(logits, self.lm_head.vocab_start, self.num_valid)
-        return pick_from_candidates(all_gather_dim0(candidates), self.tp_size)
+        if self.tp_size > 1:
+            candidates = all_gather_dim0(candidates)
+        return pick_from_candidates(candidates, self.tp_size)
