@@ -18,6 +18,7 @@ import traceback
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from florist.kernels import activation, embeddings, norms, pooling, rotary, skinny_gemm
 
@@ -296,6 +297,52 @@ def _skinny_gemm_deferred(dtype, m, n, k, *, bias=False, config=None):
     return case
 
 
+def _skinny_gemm_add_rms_norm(dtype, m, n, k, splits=None, *, bias=False, nonfinite=False, strided=False, weight_dtype=None):
+    """The product + add + RMSNorm launch (few rows) against the two launches it replaces, the
+    split-K product's partials and then add_rms_norm on them: bit for bit, the normed output and
+    the new residual alike, on two calls in a row (the counters reset themselves: all 0 after
+    each). Against the torch reference (F.linear in fp32, rounded; add_rms_norm_ref) within
+    tolerances scaled as the product's. `splits` None: the configuration pick_config chooses."""
+
+    def case(g: Inputs, big: bool):
+        x, w = g.randn(m, k, dtype=dtype), g.randn(n, k, dtype=dtype, scale=0.5)
+        b = g.randn(n, dtype=dtype) if bias else None
+        res = g.strided_rows(m, n, dtype) if strided else g.randn(m, n, dtype=dtype)
+        norm_w = g.randn(n, dtype=weight_dtype or dtype)
+        if nonfinite:  # a NaN row; an inf residual element (its row: NaN there, 0 elsewhere); inf - inf across splits
+            x[0, 3], res[m - 1, 7] = float("nan"), float("inf")
+            if m >= 3:
+                x[1, 0], x[1, k - 1] = float("inf"), -float("inf")
+        cfg = skinny_gemm.pick_config(m, n, k) if splits is None else skinny_gemm.GemmConfig(16, 32, 16, split_k=splits)
+        assert cfg is not None and skinny_gemm._k_split(k, cfg)[1] == (splits or cfg.split_k) > 1, f"{m} x {n} x {k}: not a split-K product"
+        out, summed = skinny_gemm.skinny_gemm_add_rms_norm_triton(x, w, b, res, norm_w, EPS, cfg)
+        counters = skinny_gemm._counters.by_device[x.device]
+        assert not counters.any(), "a launch left a counter set"
+        p = skinny_gemm.skinny_gemm_triton(x, w, b, False, cfg, defer_reduce=True)
+        two_out, two_summed = norms.add_rms_norm_triton(p, res, norm_w, EPS)
+        assert_matches(summed, two_summed, exact=True)
+        assert_matches(out, two_out, exact=True)
+        again = skinny_gemm.skinny_gemm_add_rms_norm_triton(x, w, b, res, norm_w, EPS, cfg)
+        assert not counters.any(), "a second launch left a counter set"
+        for a, e in zip(again, (out, summed)):
+            assert_matches(a, e, exact=True)
+        if x.is_cuda and splits is None:  # the public op picks this configuration itself
+            for a, e in zip(skinny_gemm.skinny_gemm_add_rms_norm(x, w, b, res, norm_w, EPS), (out, summed)):
+                assert_matches(a, e, exact=True)
+        y = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+        ref_out, ref_summed = norms.add_rms_norm_ref(y, res, norm_w, EPS)
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+        torch.testing.assert_close(summed.float().cpu(), ref_summed.float().cpu(), rtol=2 * ulp, atol=ulp * k**0.5, equal_nan=True)
+        w_max = norm_w.abs().max().item()
+        torch.testing.assert_close(out.float().cpu(), ref_out.float().cpu(), rtol=4 * ulp, atol=8 * ulp * w_max, equal_nan=True)
+        if nonfinite:
+            assert summed[0].isnan().all() and out[0].isnan().all()
+            if m > 1:
+                assert summed[m - 1, 7].isinf() and out[m - 1, 7].isnan() and (out[m - 1, :7] == 0).all()
+
+    return case
+
+
 def _segment_mean(dtype, lens, sqrt_len=False, nonfinite=False):
     def case(g: Inputs, big: bool):
         seq_lens = [n * (37 if big else 1) for n in lens]
@@ -386,6 +433,18 @@ def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
         cases[f"skinny_gemm-{name}-deferred-split2-uneven"] = _skinny_gemm_deferred(dtype, 3, 48, 112, config=cfg(16, 16, 32, split_k=2))
         cases[f"skinny_gemm-{name}-picked-o-deferred"] = _skinny_gemm_deferred(dtype, 1, 1024, 2048)
         cases[f"skinny_gemm-{name}-picked-down-deferred-m64"] = _skinny_gemm_deferred(dtype, 64, 1024, 3072)
+        # The product + add + RMSNorm launch: 1-4 rows, K odd multiples of 16 (uneven last slices
+        # too), 2-5 splits, rows of 1024 / 200 / 391 (several norm row tiles: 2 / 8 / 4 rows).
+        for m, n, k, splits, bias in ((1, 1024, 208, 3, False), (2, 200, 80, 5, True), (3, 391, 336, 4, False),
+                                      (4, 1024, 48, 2, True), (4, 200, 208, 5, False), (3, 1024, 208, 2, True)):
+            cases[f"skinny_gemm-{name}-add-rms-norm-M{m}-N{n}-K{k}-S{splits}{'-bias' if bias else ''}"] = (
+                _skinny_gemm_add_rms_norm(dtype, m, n, k, splits, bias=bias))
+        cases[f"skinny_gemm-{name}-add-rms-norm-strided-nan-inf"] = _skinny_gemm_add_rms_norm(dtype, 3, 391, 208, 3, bias=True, nonfinite=True, strided=True)
+        cases[f"skinny_gemm-{name}-add-rms-norm-M1-nan-inf"] = _skinny_gemm_add_rms_norm(dtype, 1, 200, 80, 2, nonfinite=True)
+        cases[f"skinny_gemm-{name}-add-rms-norm-fp32-weight"] = _skinny_gemm_add_rms_norm(dtype, 2, 200, 80, 2, bias=True, weight_dtype=torch.float32)
+        for m in (1, 2, 3, 4):  # Qwen3-0.6B's o_proj and down_proj at decode
+            cases[f"skinny_gemm-{name}-picked-add-rms-norm-o-M{m}"] = _skinny_gemm_add_rms_norm(dtype, m, 1024, 2048)
+            cases[f"skinny_gemm-{name}-picked-add-rms-norm-down-M{m}"] = _skinny_gemm_add_rms_norm(dtype, m, 1024, 3072, bias=m == 3)
     return cases
 
 

@@ -25,6 +25,8 @@ on as before:
     summed = x + residual -> x's dtype;   out = rms_norm(summed) * weight
 
 so the result is bit-identical to reducing first and normalising after (two launches, one here).
+For few rows `skinny_gemm.skinny_gemm_add_rms_norm` goes one step further and runs this row code
+(`_add_rms_norm_partial_rows`) in the product's own launch, in the program that finishes last.
 """
 
 from __future__ import annotations
@@ -270,13 +272,14 @@ def _add_residual(x, res_ptr, rows, cols, mask, num_heads, stride_rt, stride_rh)
 
 @_jit
 def _reduce_partial_rows(p_ptr, b_ptr, rows, cols, col_ok, mask, stride_pt, stride_split,
-                         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+                         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                         CACHE_MODIFIER: tl.constexpr):
     """A tile of a split-K product from its fp32 partials [SPLIT_K, rows, cols], in fp32 and not
     yet rounded: the sum and bias of skinny_gemm's `_reduce_kernel`, in the same order."""
     p_ptrs = p_ptr + rows.to(tl.int64)[:, None] * stride_pt + cols[None, :]
     acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # the fixed order s = 0..S-1: the same bits as the reduce kernel
-        acc += tl.load(p_ptrs, mask=mask, other=0.0)
+        acc += tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=CACHE_MODIFIER)
         p_ptrs += stride_split
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -284,10 +287,44 @@ def _reduce_partial_rows(p_ptr, b_ptr, rows, cols, col_ok, mask, stride_pt, stri
 
 
 @_jit
+def _rms_norm_rows(x, w_ptr, out_ptr, out_offs, cols, col_ok, mask, n_cols, eps):
+    """Stores rms_norm(x) * weight for a tile of rows x (in x's dtype, masked elements 0)."""
+    xf = x.to(tl.float32)
+    # Masked columns were loaded as 0, so they add nothing to the sum of squares.
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    # The reference rounds the normalised value to x's dtype, then multiplies by the weight.
+    y = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_offs, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _add_rms_norm_partial_rows(p_ptr, b_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, cols, col_ok, mask, out_offs,
+                               stride_pt, stride_split, stride_rt, n_cols, eps,
+                               SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                               CACHE_MODIFIER: tl.constexpr):
+    """add + RMSNorm of a tile of rows whose x is a split-K product's partials: x is reduced and
+    rounded to the residual's dtype (= the product's) as `_reduce_kernel` stores it, then goes on
+    as a plain x does. `_rms_norm_kernel` (SPLIT_K > 0) and skinny_gemm's fused
+    `_gemm_add_rms_norm_kernel` (its last program) both call this, so their bits cannot drift apart."""
+    x = _reduce_partial_rows(p_ptr, b_ptr, rows, cols, col_ok, mask, stride_pt, stride_split,
+                             SPLIT_K, HAS_BIAS, BLOCK_ROWS, BLOCK_COLS, CACHE_MODIFIER)
+    x = _add_residual(x.to(res_ptr.dtype.element_ty), res_ptr, rows, cols, mask, 1, stride_rt, 0)
+    tl.store(sum_ptr + out_offs, x, mask=mask)
+    _rms_norm_rows(x, w_ptr, out_ptr, out_offs, cols, col_ok, mask, n_cols, eps)
+
+
+@_jit
 def _row_tile(num_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     """This program's block of rows: row and column indices, the in-bounds mask and the offsets
     into a contiguous [num_rows, n_cols] output."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    return _row_tile_at(tl.program_id(0) * BLOCK_ROWS, num_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+
+
+@_jit
+def _row_tile_at(first_row, num_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """`_row_tile` for the rows first_row.. (skinny_gemm's fused norm walks its rows with it)."""
+    rows = first_row + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     col_ok = cols < n_cols
     mask = (rows < num_rows)[:, None] & col_ok[None, :]
@@ -304,19 +341,13 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, b_ptr,
     num_heads = 1, a residual always), reduced here and rounded to the residual's dtype (= x's)."""
     rows, cols, col_ok, mask, out_offs = _row_tile(num_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     if SPLIT_K > 0:
-        x = _reduce_partial_rows(x_ptr, b_ptr, rows, cols, col_ok, mask, stride_xt, stride_split, SPLIT_K, HAS_BIAS, BLOCK_ROWS, BLOCK_COLS)
-        x = _add_residual(x.to(res_ptr.dtype.element_ty), res_ptr, rows, cols, mask, num_heads, stride_rt, stride_rh)
+        _add_rms_norm_partial_rows(x_ptr, b_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, cols, col_ok, mask, out_offs,
+                                   stride_xt, stride_split, stride_rt, n_cols, eps, SPLIT_K, HAS_BIAS, BLOCK_ROWS, BLOCK_COLS, "")
     else:
         x = _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, HAS_RESIDUAL)
-    if HAS_RESIDUAL:
-        tl.store(sum_ptr + out_offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    # Masked columns were loaded as 0, so they add nothing to the sum of squares.
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
-    # The reference rounds the normalised value to x's dtype, then multiplies by the weight.
-    y = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_offs, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+        if HAS_RESIDUAL:
+            tl.store(sum_ptr + out_offs, x, mask=mask)
+        _rms_norm_rows(x, w_ptr, out_ptr, out_offs, cols, col_ok, mask, n_cols, eps)
 
 
 @_jit

@@ -19,6 +19,24 @@ sums them in its own prologue (`florist.kernels.norms.add_rms_norm`), so the pro
 launch, not two. Same bits as reducing first: the norm kernel sums in the same order, adds the
 bias and rounds to the activation dtype exactly where `_reduce_kernel` does.
 
+Product + add + RMSNorm in one launch (`skinny_gemm_add_rms_norm`, for <= FUSED_NORM_MAX_ROWS
+rows: decode): the norm runs inside the product's launch, so the norm's launch goes too. Each
+program stores its fp32 partial tile, then counts itself done on its row block's counter; the
+last one to finish reads every partial back and runs the norm kernel's own row code on them:
+
+    program (n, s):  partials[s, rows, n tile] = x @ w.T over K slice s;  atomic count += 1
+    last program:    counter = 0 (ready for the next launch); for each tile of rows:
+                     x = (p[0] + ... + p[S-1] + bias) -> dtype;  summed = x + residual -> dtype
+                     out = rms_norm(summed) * norm_weight           (norms._add_rms_norm_partial_rows)
+
+Same bits as the two launches it replaces (the product's partials, then `norms.add_rms_norm`):
+the K loop is one shared function (`_k_slice_product`), the row code is the norm kernel's, and the
+launch takes the norm kernel's row tiles and warps, so a row's sum of squares is split over the
+threads as it is there (so the product runs with 8 warps at N = 1024, not the 4 it was measured
+with; its time awaits measurement). The counters are one persistent int32 buffer per device, made on the
+first (eager) call and left at 0 by every launch, so CUDA graphs replay them as they are.
+NOTE: launches sharing a device must not run concurrently (one stream), as they share counters.
+
 Fused SwiGLU (`silu_mul=True`): w is MergedColumnParallelLinear's [gate (I) | up (I)] weight; a
 program reads the gate rows n.. and the up rows I+n.. of the same K slice into two accumulators
 and stores silu(gate) * up: [M, I]. The [M, 2I] projection is never written, and one launch
@@ -53,8 +71,14 @@ except ImportError:  # CPU-only installs: the reference below is the whole imple
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
 _DTYPES = (torch.float16, torch.bfloat16)
+_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # a norm weight's or bias' dtype
 # FLORIST_SKINNY_GEMM=0 sends every product to cuBLAS (for side-by-side measurements).
 ENABLED = os.environ.get("FLORIST_SKINNY_GEMM", "1") != "0"
+# The product + add + RMSNorm launch (`skinny_gemm_add_rms_norm`) is for decode-sized products:
+# its last program reduces and normalises every row alone, so it takes few rows, and whole rows
+# of at most this many columns (held in that program's registers).
+FUSED_NORM_MAX_ROWS = 4
+FUSED_NORM_MAX_COLS = 8192
 
 
 @dataclass(frozen=True)
@@ -199,10 +223,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if m == 0 or n_out == 0:
         return torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     c = config
-    split_k = c.split_k
-    # K slices are whole BLOCK_K blocks; a split that leaves a slice empty is pointless.
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), c.block_k) * c.block_k
-    split_k = triton.cdiv(k, k_per_split)
+    k_per_split, split_k = _k_split(k, c)
     grid = (triton.cdiv(n_out, c.block_n), split_k, triton.cdiv(m, c.block_m))
     if split_k == 1:
         out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
@@ -222,6 +243,13 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     )
     product = SplitKPartials(partial, bias, x.dtype)
     return product if defer_reduce else reduce_partials_triton(product)
+
+
+def _k_split(k: int, config: GemmConfig) -> tuple[int, int]:
+    """-> (K per split, number of splits). K slices are whole BLOCK_K blocks; a split that would
+    leave a slice empty is dropped."""
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
 
 
 def reduce_partials_triton(p: SplitKPartials) -> torch.Tensor:
@@ -244,6 +272,108 @@ def _launch_reduce(partial: torch.Tensor, bias: torch.Tensor | None, out: torch.
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# The split-K product with the add + RMSNorm after it, in one launch (few rows)
+
+
+class _RowBlockCounters:
+    """One zeroed int32 counter per row block and device, shared by every launch and graph
+    (launches on one stream never overlap, and each launch leaves its counters at 0)."""
+
+    def __init__(self):
+        self.by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, n: int) -> torch.Tensor:
+        have = self.by_device.get(device)
+        if have is None or have.numel() < n:
+            # NOTE: allocated on first use, which is an eager step: graphs are captured on a
+            # bucket's second sight (engine/graph_runner.py, engine/generation/decode_graphs.py).
+            assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), (
+                "skinny_gemm_add_rms_norm's counters must exist before graph capture: run the step eagerly once first"
+            )
+            have = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+            self.by_device[device] = have
+        return have
+
+
+_counters = _RowBlockCounters()
+
+
+def _vector_fits(v: torch.Tensor, n: int, device: torch.device) -> bool:
+    return v.dtype in _NORM_DTYPES and v.shape == (n,) and v.stride(0) == 1 and v.device == device
+
+
+def fused_norm_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                       norm_weight: torch.Tensor) -> bool:
+    """Host-side checks only (safe in CUDA graphs): the product's own conditions, 1..FUSED_NORM_MAX_ROWS
+    rows, rows of <= FUSED_NORM_MAX_COLS, a residual [M, N] of x's dtype with N contiguous."""
+    if not applies(x, weight):
+        return False
+    m, n = x.shape[0], weight.shape[0]
+    return (
+        1 <= m <= FUSED_NORM_MAX_ROWS and 1 <= n and triton.next_power_of_2(n) <= FUSED_NORM_MAX_COLS
+        and residual.dtype == x.dtype and residual.shape == (m, n) and residual.stride(-1) == 1 and residual.device == x.device
+        and _vector_fits(norm_weight, n, x.device) and (bias is None or _vector_fits(bias, n, x.device))
+    )
+
+
+def skinny_gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                             norm_weight: torch.Tensor, eps: float,
+                             config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """y = x @ weight.T (+ bias), then add + RMSNorm: (rms_norm(y + residual) * norm_weight, y + residual),
+    in one launch where the product runs split-K on few rows (`fused_norm_applies`, and `pick_config`
+    or `config` splits K); None elsewhere, and the caller runs the product and the norm apart. The
+    same bits as `norms.add_rms_norm(skinny_gemm(x, weight, bias, defer_reduce=True), residual, ...)`."""
+    if not fused_norm_applies(x, weight, bias, residual, norm_weight):
+        return None
+    config = config or pick_config(x.shape[0], weight.shape[0], weight.shape[1])
+    if config is None or _k_split(x.shape[1], config)[1] < 2:
+        return None  # no split-K partials for a last program to sum
+    return skinny_gemm_add_rms_norm_triton(x, weight, bias, residual, norm_weight, eps, config)
+
+
+def skinny_gemm_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                                    norm_weight: torch.Tensor, eps: float, config: GemmConfig,
+                                    counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    assert _supported(x, weight), f"unsupported input: x {x.dtype} {tuple(x.shape)} strides {x.stride()}, weight {weight.dtype} {tuple(weight.shape)}"
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 1 <= m <= min(FUSED_NORM_MAX_ROWS, config.block_m), (
+        f"{m} rows: the fused norm takes 1..{FUSED_NORM_MAX_ROWS} rows, in one row block of {config.block_m}"
+    )
+    assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(-1) == 1, (
+        f"residual {tuple(residual.shape)} {residual.dtype} strides {residual.stride()} must be [{m}, {n}] {x.dtype} with N contiguous"
+    )
+    assert _vector_fits(norm_weight, n, x.device), f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} must be a contiguous float [{n}]"
+    assert bias is None or _vector_fits(bias, n, x.device), f"bias {tuple(bias.shape)} {bias.dtype} must be a contiguous float [{n}]"
+    assert residual.device == weight.device == x.device, f"x on {x.device}, weight on {weight.device}, residual on {residual.device}"
+    # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
+    assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
+        f"tensors are on {x.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({x.device}) first"
+    )
+    k_per_split, split_k = _k_split(k, config)
+    assert split_k > 1, f"K = {k} in blocks of {config.block_k} does not split {config.split_k} ways: nothing to fuse"
+    # NOTE: the norm kernel's row tile and warps, not the product's (num_warps changes how a row's
+    # sum of squares is split over threads, so its rounding): the last program then normalises in
+    # the same layout, and so the same order, as `_rms_norm_kernel`. A product's bits do not
+    # depend on the warps: each output's K sum is the same sequence of MMA steps.
+    norm_rows, norm_cols, num_warps = norms._row_blocking(n)
+    assert norm_cols <= FUSED_NORM_MAX_COLS, f"rows of {n} are wider than the fused norm holds ({FUSED_NORM_MAX_COLS})"
+    partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    out = torch.empty((m, n), dtype=torch.promote_types(x.dtype, norm_weight.dtype), device=x.device)
+    summed = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, config.block_n), split_k, triton.cdiv(m, config.block_m))
+    counters = counters if counters is not None else _counters.get(x.device, grid[2])
+    _gemm_add_rms_norm_kernel[grid](
+        x, weight, bias if bias is not None else norm_weight, partials, counters, residual, norm_weight, out, summed,
+        m, n, k, x.stride(0), weight.stride(0), partials.stride(0), residual.stride(0), eps,
+        K_PER_SPLIT=k_per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
+        HAS_BIAS=bias is not None, EVEN_K=k_per_split * split_k == k, NORM_ROWS=norm_rows, NORM_COLS=norm_cols,
+        NORM_TILES=triton.cdiv(m, norm_rows), num_warps=num_warps, num_stages=config.num_stages,
+    )
+    return out, summed
+
+
 @_jit
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  stride_split, unused, up_offset,
@@ -252,13 +382,37 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
+    acc, acc_up = _k_slice_product(x_ptr, w_ptr, rm, rn, m_ok, n_ok, pid_k * K_PER_SPLIT, K, stride_xm, stride_wn, up_offset,
+                                   K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, SILU_MUL, EVEN_K)
+    mask = m_ok[:, None] & n_ok[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * stride_split + rm[:, None] * stride_om + rn[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if SILU_MUL:
+                acc_up += tl.load(b_ptr + up_offset + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if GELU:  # rounded first, as the reference's F.gelu(F.linear(...)) sees it
+            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _k_slice_product(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k_start, K, stride_xm, stride_wn, up_offset,
+                     K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
+    """(acc, acc_up) in fp32: x[rm, K slice] @ w[rn, K slice].T over the slice k_start.. of
+    K_PER_SPLIT, and with SILU_MUL the same against the up rows rn + up_offset (else acc_up is 0).
+    Both product kernels run this loop, so a split's partial sums have the same bits in each."""
+    rk = tl.arange(0, BLOCK_K)
     # Out-of-range rows/columns read row 0 (always valid) and are masked on store: loads stay
     # unmasked along M/N, which keeps them vectorised.
     rm_safe = tl.where(m_ok, rm, 0).to(tl.int64)
     rn_safe = tl.where(n_ok, rn, 0).to(tl.int64)
-    k_start = pid_k * K_PER_SPLIT
     x_ptrs = x_ptr + rm_safe[:, None] * stride_xm + (k_start + rk)[None, :]
     w_ptrs = w_ptr + rn_safe[None, :] * stride_wn + (k_start + rk)[:, None]  # [BLOCK_K, BLOCK_N] view of w.T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -281,20 +435,37 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
             acc_up = tl.dot(x, w_up, acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    mask = m_ok[:, None] & n_ok[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + pid_k * stride_split + rm[:, None] * stride_om + rn[None, :], acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            if SILU_MUL:
-                acc_up += tl.load(b_ptr + up_offset + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if SILU_MUL:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-        if GELU:  # rounded first, as the reference's F.gelu(F.linear(...)) sees it
-            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-            acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    return acc, acc_up
+
+
+@_jit
+def _gemm_add_rms_norm_kernel(x_ptr, w_ptr, b_ptr, partial_ptr, counter_ptr, res_ptr, nw_ptr, out_ptr, sum_ptr,
+                              M, N, K, stride_xm, stride_wn, stride_split, stride_rt, eps,
+                              K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                              NORM_ROWS: tl.constexpr, NORM_COLS: tl.constexpr, NORM_TILES: tl.constexpr):
+    """`_gemm_kernel`'s split-K partials, then in the row block's last program to finish: their
+    sum + bias -> dtype, + residual -> dtype, RMSNorm (norms._add_rms_norm_partial_rows)."""
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = rm < M, rn < N
+    acc, _ = _k_slice_product(x_ptr, w_ptr, rm, rn, m_ok, n_ok, pid_k * K_PER_SPLIT, K, stride_xm, stride_wn, 0,
+                              K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, False, EVEN_K)
+    tl.store(partial_ptr + pid_k * stride_split + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+    # Every thread's stores land before the counter moves (barrier, then a release at GPU scope);
+    # the program that sees the row block's last count acquires them all and finishes the rows.
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr + pid_m, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) * SPLIT_K - 1:
+        tl.store(counter_ptr + pid_m, 0)  # ready for the next launch
+        first = pid_m * BLOCK_M
+        last = tl.minimum(M, first + BLOCK_M)
+        # The norm kernel's tiles of NORM_ROWS rows; partials read past L1 (other SMs wrote them).
+        for g in tl.static_range(NORM_TILES):
+            rows, cols, col_ok, mask, out_offs = norms._row_tile_at(first + g * NORM_ROWS, last, N, NORM_ROWS, NORM_COLS)
+            norms._add_rms_norm_partial_rows(partial_ptr, b_ptr, res_ptr, nw_ptr, out_ptr, sum_ptr, rows, cols, col_ok, mask, out_offs,
+                                             N, stride_split, stride_rt, N, eps, SPLIT_K, HAS_BIAS, NORM_ROWS, NORM_COLS, ".cg")
 
 
 @_jit
@@ -307,3 +478,8 @@ def _reduce_kernel(partial_ptr, b_ptr, out_ptr, numel, N, stride_split, SPLIT_K:
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# NOTE: imported last: norms imports SplitKPartials from this module, and the fused kernel above
+# calls the norm's row helpers through `norms.` (looked up when the kernel compiles).
+from florist.kernels import norms

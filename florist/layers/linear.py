@@ -7,7 +7,9 @@ shard of a checkpoint tensor into place, so the weight loader never needs to kno
     MergedColumnParallelLinear several column-parallel outputs fused into one matmul (gate|up)
     QKVParallelLinear         q|k|v fused; each rank owns whole heads of each
     RowParallelLinear         W[out, in] split along in; outputs all-reduced, bias added once;
-                              `forward_deferred` may hand back split-K partials for the next norm
+                              `forward_deferred` may hand back split-K partials for the next norm,
+                              `forward_add_norm` runs that norm too (in the product's launch
+                              for few rows)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from florist.distributed import all_reduce, tp_rank, tp_size
 from florist.kernels import skinny_gemm
 from florist.kernels.skinny_gemm import SplitKPartials
+from florist.layers.norm import RMSNorm
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
@@ -136,3 +139,14 @@ class RowParallelLinear(LinearBase):
         if self.tp_size > 1:
             return self.forward(x)
         return skinny_gemm.skinny_gemm(x, self.weight, self.bias, defer_reduce=True)
+
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(self(x), residual) -> (normed, self(x) + residual), with the same bits as
+        `norm(self.forward_deferred(x), residual)`. At tensor-parallel size 1, for few rows on CUDA
+        (`skinny_gemm.fused_norm_applies`) the split-K product, the residual add and the norm are
+        one launch; elsewhere the product and the norm run apart."""
+        if self.tp_size == 1:
+            fused = skinny_gemm.skinny_gemm_add_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps)
+            if fused is not None:
+                return fused
+        return norm(self.forward_deferred(x), residual)

@@ -12,7 +12,6 @@ from torch import nn
 from florist.config import ModelConfig
 from florist.engine.batch import RaggedBatch
 from florist.kernels.rotary import qk_norm_rope
-from florist.kernels.skinny_gemm import SplitKPartials
 from florist.layers.attention import Attention, AttentionFn
 from florist.layers.embedding import VocabParallelEmbedding
 from florist.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -49,13 +48,16 @@ class Qwen3Attention(nn.Module):
         )
         return q, k, v
 
-    def forward(self, x: torch.Tensor, batch: RaggedBatch) -> torch.Tensor | SplitKPartials:
-        return self.o_proj.forward_deferred(self.attn(*self._qkv(x, batch), batch, kv_stored=True))
+    def forward(self, x: torch.Tensor, batch: RaggedBatch, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> norm(o_proj(attention(x)), residual): (normed, residual)."""
+        return self.o_proj.forward_add_norm(self.attn(*self._qkv(x, batch), batch, kv_stored=True), residual, norm)
 
-    def forward_last(self, x: torch.Tensor, batch: RaggedBatch, last: torch.Tensor) -> torch.Tensor | SplitKPartials:
-        """Keys and values of every token, the output of each sequence's last token only: [B, H]."""
+    def forward_last(self, x: torch.Tensor, batch: RaggedBatch, last: torch.Tensor, residual: torch.Tensor,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every token, the output of each sequence's last token only: [B, H]
+        (residual: those tokens' rows)."""
         q, k, v = self._qkv(x, batch)
-        return self.o_proj.forward_deferred(self.attn.forward_last(q[last].reshape(last.shape[0], -1), k, v, batch))
+        return self.o_proj.forward_add_norm(self.attn.forward_last(q[last].reshape(last.shape[0], -1), k, v, batch), residual, norm)
 
 
 class Qwen3MLP(nn.Module):
@@ -64,21 +66,22 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
-        return self.down_proj.forward_deferred(self.gate_up_proj.forward_swiglu(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> norm(down_proj(swiglu(gate_up_proj(x))), residual): (normed, residual)."""
+        return self.down_proj.forward_add_norm(self.gate_up_proj.forward_swiglu(x), residual, norm)
 
 
 class Qwen3DecoderLayer(nn.Module):
-    """Pre-norm: x, residual -> (mlp output, residual) for the next layer's input norm.
+    """Pre-norm, with each layer's input already normalised: (h, residual) -> (h, residual) for
+    the next layer, where h is the output of the norm that follows it (`next_norm`: the next
+    layer's input_layernorm, or the model's final norm). Each product that feeds the residual
+    stream runs with the add + RMSNorm after it (`RowParallelLinear.forward_add_norm`):
 
-    o_proj and down_proj run `forward_deferred`: where they split K (few rows on CUDA) their
-    output is `SplitKPartials`, summed by the add + RMSNorm that reads it, never written reduced:
+        h --self_attn--> o_proj --(+ residual)--> post_attention_layernorm --> h
+        h --gate_up + SwiGLU--> down_proj --(+ residual)--> next_norm --> h   (to the next layer)
 
-        self_attn -> o_proj partials --> post_attention_layernorm(x, residual)
-        mlp -> down_proj partials -----> next layer's input_layernorm(x, residual) / the final norm
-
-    So attention and MLP outputs go only to an RMSNorm with a residual (every layer but the first
-    has one; the first one's x is the embedding).
+    For few rows on CUDA each of those is one launch (product, sum, norm); otherwise the product
+    hands its split-K partials, or its output, to the norm.
     """
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionFn, attention=Attention):
@@ -88,30 +91,25 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def _norm_in(self, x: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:  # the first layer: its input is the residual stream
-            return self.input_layernorm(x), x
-        return self.input_layernorm(x, residual)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, batch: RaggedBatch, next_norm: RMSNorm):
+        h, residual = self.self_attn(h, batch, residual, self.post_attention_layernorm)
+        return self.mlp(h, residual, next_norm)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: RaggedBatch):
-        x, residual = self._norm_in(x, residual)
-        x = self.self_attn(x, batch)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-    def forward_last(self, x: torch.Tensor, residual: torch.Tensor | None, batch: RaggedBatch):
+    def forward_last(self, h: torch.Tensor, residual: torch.Tensor, batch: RaggedBatch, next_norm: RMSNorm):
         """The layer for each sequence's last token only (its keys/values still come from every
         token): [T, H] in, [B, H] out. Everything after attention is per token, so computing it
         for B rows instead of T gives those rows exactly."""
-        x, residual = self._norm_in(x, residual)
         last = batch.last_token_index()
-        x = self.self_attn.forward_last(x, batch, last)
-        x, residual = self.post_attention_layernorm(x, residual[last])
-        return self.mlp(x), residual
+        h, residual = self.self_attn.forward_last(h, batch, last, residual[last], self.post_attention_layernorm)
+        return self.mlp(h, residual, next_norm)
 
 
 class Qwen3Model(nn.Module):
     """Embeddings + decoder layers + final norm -> hidden states [T, H].
+
+        x = embed(ids);  h = layers[0].input_layernorm(x);  residual = x
+        layers[i]: (h, residual) -> (h, residual), ending in next_norm = layers[i + 1].input_layernorm,
+                   or the final `norm` for the last layer, whose h is the output
 
     With `last_token_only` (set when the head reads nothing but each sequence's last token:
     last-token pooling, the reranker's yes/no head) the final layer runs attention queries,
@@ -130,13 +128,13 @@ class Qwen3Model(nn.Module):
         self.last_token_only = False
 
     def forward(self, batch: RaggedBatch) -> torch.Tensor:
-        x, residual = self.embed_tokens(batch.input_ids), None
-        layers = self.layers[:-1] if self.last_token_only else self.layers
-        for layer in layers:
-            x, residual = layer(x, residual, batch)
-        if self.last_token_only:
-            x, residual = self.layers[-1].forward_last(x, residual, batch)
-        return self.norm(x, residual)[0]
+        residual = self.embed_tokens(batch.input_ids)
+        h = self.layers[0].input_layernorm(residual)  # the first layer: its input is the residual stream
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+            run = layer.forward_last if self.last_token_only and i == len(self.layers) - 1 else layer
+            h, residual = run(h, residual, batch, next_norm)
+        return h
 
 
 class YesNoHead(nn.Module):
