@@ -7,7 +7,8 @@
     out              [B, Hq, D]
 
 A program owns one (sequence, kv head, split): the `group = Hq / Hkv` query heads that share the
-kv head (grouped-query attention reads each key once) over one slice of the context. The context
+kv head (grouped-query attention reads each key once), as the rows of a tensor-core product
+padded to 16, over one slice of the context. The context
 is cut into slices *at run time* from the sequence's own length, so nothing depends on host
 values that vary between steps (the launch is captured in decode CUDA graphs):
 
@@ -44,7 +45,7 @@ _MAX_PROGRAMS_FOR_SPLITS = 256  # split until B * Hkv * NUM_SPLITS reaches about
 _MAX_SPLITS = 16
 # Keys per context slice at least: below 2 x this a sequence runs unsplit (one program per kv
 # head, no merge), which is what short contexts want; long ones still spread over NUM_SPLITS.
-MIN_SPLIT_KEYS = 256
+MIN_SPLIT_KEYS = 128
 
 
 def decode_attention_ref(q, k_cache, v_cache, slots, context_lens, scale: float) -> torch.Tensor:
@@ -114,12 +115,12 @@ def decode_attention_triton(q, k_cache, v_cache, slots, context_lens, scale: flo
         return out
     group = hq // hkv
     splits = splits or num_splits(b, hkv)
-    block_d = triton.next_power_of_2(d)
-    block_g = triton.next_power_of_2(group)
-    block_n = max(16, min(64, 8192 // (block_g * block_d)))  # the [G, BLOCK_N, D] product in registers
+    block_d = max(16, triton.next_power_of_2(d))
+    block_h = max(16, triton.next_power_of_2(group))  # tensor-core products need >= 16 rows
+    block_n = 64 if block_d <= 128 else 32
     if splits > 1:
-        part_acc = torch.empty((b, hkv, splits, block_g, block_d), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((b, hkv, splits, 2, block_g), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((b, hkv, splits, block_h, block_d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((b, hkv, splits, 2, block_h), dtype=torch.float32, device=q.device)
         counters = counters if counters is not None else _counters.get(q.device, b * hkv)
     else:  # never touched (no slice merges), but typed as the kernel's merge branch expects
         part_acc = part_ml = torch.empty(1, dtype=torch.float32, device=q.device)
@@ -127,7 +128,8 @@ def decode_attention_triton(q, k_cache, v_cache, slots, context_lens, scale: flo
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, slots, context_lens, out, part_acc, part_ml, counters,
         q.stride(0), q.stride(1), max_len, hkv, group, d, scale * _LOG2E,
-        NUM_SPLITS=splits, MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d, num_warps=4,
+        NUM_SPLITS=splits, MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, BLOCK_H=block_h, BLOCK_D=block_d,
+        IEEE=q.dtype == torch.float32, num_warps=4,
     )
     return out
 
@@ -135,20 +137,21 @@ def decode_attention_triton(q, k_cache, v_cache, slots, context_lens, scale: flo
 @_jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr, counter_ptr,
                    stride_qb, stride_qh, max_len, num_kv_heads, group, head_dim, scale_log2,
-                   NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lens_ptr + b)
     # Slices in use for this sequence: each takes >= MIN_SPLIT_KEYS keys, so a short context
     # runs as one program per kv head with no merge; the other programs return at once.
     active = tl.minimum(tl.cdiv(length, MIN_SPLIT_KEYS), NUM_SPLITS)
     if s < active:
-        g = tl.arange(0, BLOCK_G)
+        # The group's query heads are the rows of a [BLOCK_H, D] tile (padded to the 16 rows a
+        # tensor-core product needs, padding rows zero and never stored).
+        g = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
         g_ok, d_ok = g < group, d < head_dim
         q_heads = h * group + g
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-        q = q.to(tl.float32) * scale_log2  # scores in base 2: exp(x) = exp2(x * log2(e))
 
         per_split = tl.cdiv(tl.cdiv(length, active), BLOCK_N) * BLOCK_N
         start = s * per_split
@@ -156,9 +159,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, m
         row_stride = num_kv_heads * head_dim  # one position of the cache: Hkv x D values
         base = tl.load(slots_ptr + b).to(tl.int64) * max_len * row_stride + h * head_dim
 
-        m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
-        l = tl.zeros((BLOCK_G,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+        m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+        l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
         n = tl.arange(0, BLOCK_N)
         # A run-time trip count (this slice's keys only) in a `for` loop, which Triton pipelines.
         # NOTE: Triton 3.6's interpreter cannot take a trip count loaded from memory (3.9's can).
@@ -167,17 +170,24 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, m
             pos_ok = pos < end
             offs = base + pos.to(tl.int64)[:, None] * row_stride + d[None, :]
             kv_mask = pos_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BLOCK_N]
-            scores = tl.where(pos_ok[None, :], scores, float("-inf"))
+            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+            if IEEE:  # fp32 inputs: exact fp32 products, not TF32
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            # scores in base 2: exp(x) = exp2(x * log2(e))
+            scores = tl.where(pos_ok[None, :], scores * scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             # A block with no valid key leaves m_new = -inf: keep the exponent finite (it then adds 0).
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(scores - m_safe[:, None])
             alpha = tl.exp2(m - m_safe)
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:  # p rounded to the inputs' dtype for the product, as flash attention kernels do
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
 
         out_offs = b.to(tl.int64) * num_kv_heads * group * head_dim + q_heads[:, None] * head_dim + d[None, :]
@@ -187,10 +197,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, m
         else:
             bh = b.to(tl.int64) * num_kv_heads + h
             tile = g[:, None] * BLOCK_D + d[None, :]
-            tl.store(acc_ptr + (bh * NUM_SPLITS + s) * BLOCK_G * BLOCK_D + tile, acc)
-            ml = ml_ptr + (bh * NUM_SPLITS + s) * 2 * BLOCK_G
+            tl.store(acc_ptr + (bh * NUM_SPLITS + s) * BLOCK_H * BLOCK_D + tile, acc)
+            ml = ml_ptr + (bh * NUM_SPLITS + s) * 2 * BLOCK_H
             tl.store(ml + g, m)
-            tl.store(ml + BLOCK_G + g, l)
+            tl.store(ml + BLOCK_H + g, l)
             # Every thread's stores land before the counter moves (barrier, then a release at
             # GPU scope); the program that sees active - 1 acquires them all and merges.
             tl.debug_barrier()
@@ -199,15 +209,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, m
                 tl.store(counter_ptr + bh, 0)  # ready for the next launch
                 splits = tl.arange(0, NUM_SPLITS)
                 used = splits < active  # slices past `active` were never written this launch
-                ml_all = ml_ptr + (bh * NUM_SPLITS + splits[:, None]) * 2 * BLOCK_G + g[None, :]  # [S, G]
+                ml_all = ml_ptr + (bh * NUM_SPLITS + splits[:, None]) * 2 * BLOCK_H + g[None, :]  # [S, H]
                 m_all = tl.load(ml_all, mask=used[:, None], other=float("-inf"), cache_modifier=".cg")
-                l_all = tl.load(ml_all + BLOCK_G, mask=used[:, None], other=0.0, cache_modifier=".cg")
-                m_max = tl.max(m_all, axis=0)  # [G]; finite: slice 0 always holds the first key
+                l_all = tl.load(ml_all + BLOCK_H, mask=used[:, None], other=0.0, cache_modifier=".cg")
+                m_max = tl.max(m_all, axis=0)  # [H]; finite: slice 0 always holds the first key
                 w = tl.exp2(m_all - m_max[None, :])  # unused slices: exp2(-inf) = 0
                 total = tl.sum(l_all * w, axis=0)
-                merged = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+                merged = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
                 for i in tl.static_range(NUM_SPLITS):  # a fixed order: the same bits whoever merges
-                    part = tl.load(acc_ptr + (bh * NUM_SPLITS + i) * BLOCK_G * BLOCK_D + tile, cache_modifier=".cg")
+                    part = tl.load(acc_ptr + (bh * NUM_SPLITS + i) * BLOCK_H * BLOCK_D + tile, cache_modifier=".cg")
                     w_i = tl.sum(tl.where(splits[:, None] == i, w, 0.0), axis=0)
                     # an unused slice holds whatever the buffer held: select it away, never scale it
                     merged += tl.where(i < active, part * w_i[:, None], 0.0)
