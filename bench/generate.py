@@ -144,7 +144,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--margin", type=float, default=0.1, help="bf16 fidelity: allowed gap to transformers' argmax logit")
     ap.add_argument("--no-baseline", action="store_true")
-    ap.add_argument("--decode-attention", default=None, help="decode attention backend (auto, triton, flash, torch); default: the engine's choice")
+    ap.add_argument("--decode-attention", default=None, help="decode attention backend (triton, flash, torch); default: the engine's choice")
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"

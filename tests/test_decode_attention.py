@@ -83,7 +83,9 @@ def check(device):
 
 
 def test_decode_attention_kernel_interpreted():
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip("Triton < 3.9's interpreter cannot take a loop trip count loaded from memory (compiled kernels can)")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", CASES + "\ncheck('cpu')"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "decode attention ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -109,15 +111,10 @@ def test_num_splits_spreads_small_batches():
     assert all(num_splits(b, h) & (num_splits(b, h) - 1) == 0 for b in range(1, 70) for h in (1, 2, 8))
 
 
-def test_auto_decode_backend_takes_triton_for_few_sequences(monkeypatch):
+def test_decode_backend_choice():
     from florist.layers import cached_attention as ca
 
-    calls = []
-    monkeypatch.setattr(ca, "_triton_decode", lambda: lambda q, *a: calls.append(("triton", q.shape[0])))
-    monkeypatch.setattr(ca, "_flash_decode", lambda: lambda q, *a: calls.append(("flash", q.shape[0])))
-    attn = ca.select_decode_backend("auto", torch.device("cpu"), 128, torch.bfloat16)
-    k_cache = torch.empty(9, 4, 8, 128)  # 8 kv heads, as Qwen3-0.6B
-    for rows in (1, 4, 8, 32):
-        attn(torch.empty(rows, 16, 128), k_cache, k_cache, None, 0.1)
-    assert calls == [("triton", 1), ("triton", 4), ("flash", 8), ("flash", 32)]
     assert ca.select_decode_backend(None, torch.device("cpu"), 128, torch.bfloat16).__qualname__.startswith("_torch_decode")
+    assert ca.select_decode_backend("triton", torch.device("cpu"), 128, torch.bfloat16).__qualname__.startswith("_triton_decode")
+    with pytest.raises(ValueError, match="unknown decode attention backend"):
+        ca.select_decode_backend("auto", torch.device("cpu"), 128, torch.bfloat16)

@@ -197,28 +197,27 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, m
         else:
             bh = b.to(tl.int64) * num_kv_heads + h
             tile = g[:, None] * BLOCK_D + d[None, :]
-            tl.store(acc_ptr + (bh * NUM_SPLITS + s) * BLOCK_H * BLOCK_D + tile, acc)
+            rows_ok = g_ok[:, None] & (d < BLOCK_D)[None, :]  # the group's real rows only
+            tl.store(acc_ptr + (bh * NUM_SPLITS + s) * BLOCK_H * BLOCK_D + tile, acc, mask=rows_ok)
             ml = ml_ptr + (bh * NUM_SPLITS + s) * 2 * BLOCK_H
-            tl.store(ml + g, m)
-            tl.store(ml + BLOCK_H + g, l)
+            tl.store(ml + g, m, mask=g_ok)
+            tl.store(ml + BLOCK_H + g, l, mask=g_ok)
             # Every thread's stores land before the counter moves (barrier, then a release at
             # GPU scope); the program that sees active - 1 acquires them all and merges.
             tl.debug_barrier()
             done = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel", scope="gpu")
             if done == active - 1:
                 tl.store(counter_ptr + bh, 0)  # ready for the next launch
-                splits = tl.arange(0, NUM_SPLITS)
-                used = splits < active  # slices past `active` were never written this launch
-                ml_all = ml_ptr + (bh * NUM_SPLITS + splits[:, None]) * 2 * BLOCK_H + g[None, :]  # [S, H]
-                m_all = tl.load(ml_all, mask=used[:, None], other=float("-inf"), cache_modifier=".cg")
-                l_all = tl.load(ml_all + BLOCK_H, mask=used[:, None], other=0.0, cache_modifier=".cg")
-                m_max = tl.max(m_all, axis=0)  # [H]; finite: slice 0 always holds the first key
-                w = tl.exp2(m_all - m_max[None, :])  # unused slices: exp2(-inf) = 0
-                total = tl.sum(l_all * w, axis=0)
+                # Slices 0..active-1 in this fixed order: the same bits whichever program merges.
+                ml_bh = ml_ptr + bh * NUM_SPLITS * 2 * BLOCK_H
+                m_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+                for i in range(0, active):  # finite for real rows: slice 0 holds the first key
+                    m_max = tl.maximum(m_max, tl.load(ml_bh + i * 2 * BLOCK_H + g, mask=g_ok, other=0.0, cache_modifier=".cg"))
+                total = tl.zeros((BLOCK_H,), dtype=tl.float32)
                 merged = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-                for i in tl.static_range(NUM_SPLITS):  # a fixed order: the same bits whoever merges
-                    part = tl.load(acc_ptr + (bh * NUM_SPLITS + i) * BLOCK_H * BLOCK_D + tile, cache_modifier=".cg")
-                    w_i = tl.sum(tl.where(splits[:, None] == i, w, 0.0), axis=0)
-                    # an unused slice holds whatever the buffer held: select it away, never scale it
-                    merged += tl.where(i < active, part * w_i[:, None], 0.0)
+                for i in range(0, active):
+                    w = tl.exp2(tl.load(ml_bh + i * 2 * BLOCK_H + g, mask=g_ok, other=0.0, cache_modifier=".cg") - m_max)
+                    total += w * tl.load(ml_bh + i * 2 * BLOCK_H + BLOCK_H + g, mask=g_ok, other=0.0, cache_modifier=".cg")
+                    part = tl.load(acc_ptr + (bh * NUM_SPLITS + i) * BLOCK_H * BLOCK_D + tile, mask=rows_ok, other=0.0, cache_modifier=".cg")
+                    merged += part * w[:, None]
                 tl.store(out_ptr + out_offs, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)

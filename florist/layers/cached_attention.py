@@ -19,9 +19,9 @@ Decode backends form a small registry like the ragged ones, chosen once at const
              cache, cu_seqlens_k = slot * max_len gives each sequence's start and seqused_k its
              length, so nothing is gathered; fewer kv heads are taken natively (GQA). At batch 1
              it runs as two kernels (split-KV, then combine).
-    "triton" florist's one-launch split-context kernel (florist/kernels/decode_attention.py)
-    "auto"   the CUDA default for fp16/bf16: "triton" for a few sequences, "flash" for more
-             (TRITON_MAX_ROWS_X_HEADS; docs/benchmarks.md compares them).
+    "triton" florist's one-launch split-context kernel (florist/kernels/decode_attention.py), the
+             CUDA default for fp16/bf16: ahead of "flash" at every batch (1-32) and context
+             (128-4096) measured (bench/kernels.py --decode, docs/benchmarks.md).
 All only queue device work (no host reads): decode steps are captured in CUDA graphs.
 """
 
@@ -58,12 +58,9 @@ def flash_decode_available() -> bool:
 
 
 def select_decode_backend(name: str | None, device: torch.device, head_dim: int, dtype: torch.dtype) -> DecodeFn:
-    """None: "auto" on CUDA for fp16/bf16 where Triton and FlashAttention's seqused_k exist
-    (else "triton" where Triton imports), "torch" elsewhere."""
+    """None: "triton" on CUDA for fp16/bf16 where Triton imports, else "torch"."""
     if name is None:
-        name = "torch"
-        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and decode_attention.triton is not None:
-            name = "auto" if head_dim % 8 == 0 and flash_decode_available() else "triton"
+        name = "triton" if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and decode_attention.triton is not None else "torch"
     if name not in _DECODE_BACKENDS:
         raise ValueError(f"unknown decode attention backend {name!r}; choose one of {sorted(_DECODE_BACKENDS)}")
     return _DECODE_BACKENDS[name]()
@@ -90,25 +87,6 @@ def _torch_decode() -> DecodeFn:
 def _triton_decode() -> DecodeFn:
     def attn(q, k_cache, v_cache, batch: GenerationBatch, scale: float) -> torch.Tensor:
         return decode_attention.decode_attention(q, k_cache, v_cache, batch.slots, batch.context_lens, scale)
-
-    return attn
-
-
-# Decode rows x kv heads up to which "auto" takes the Triton kernel: bench/kernels.py --decode on
-# the H200 (docs/benchmarks.md) has it ahead of FlashAttention at batch 1 (6.4 against 17.1 us at
-# 128 cached tokens, 14.8 against 17.7 at 2048), and behind from batch 8 at 2048 tokens.
-TRITON_MAX_ROWS_X_HEADS = 32
-
-
-@register_decode_backend("auto")
-def _auto_decode() -> DecodeFn:
-    """The CUDA default: Triton's one-launch kernel for few sequences, FlashAttention's for more
-    (a decode graph has a fixed batch bucket, so each graph always takes one path)."""
-    triton_fn, flash_fn = _triton_decode(), _flash_decode()
-
-    def attn(q, k_cache, v_cache, batch: GenerationBatch, scale: float) -> torch.Tensor:
-        small = q.shape[0] * k_cache.shape[2] <= TRITON_MAX_ROWS_X_HEADS
-        return (triton_fn if small else flash_fn)(q, k_cache, v_cache, batch, scale)
 
     return attn
 

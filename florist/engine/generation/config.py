@@ -24,8 +24,8 @@ class GenerationConfig:
     # Launch decode step N+1 before reading step N's ids while the running set stays the same
     # (generator.py); False: every step waits for the previous one's ids on the host.
     pipelined_decode: bool = True
-    # Decode attention backend (florist.layers.cached_attention: "auto", "triton", "flash",
-    # "torch"); None picks "auto" on CUDA for fp16/bf16, else "torch".
+    # Decode attention backend (florist.layers.cached_attention: "triton", "flash", "torch");
+    # None picks "triton" on CUDA for fp16/bf16, else "torch".
     decode_attention: str | None = None
 
     def __post_init__(self):
