@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -22,3 +25,10 @@ def test_engine_bench_smoke(tmp_path):
     for r in rows:
         if r["transformers"] is not None:
             assert r["florist"] > 0 and r["speedup"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_profile_kernels_refuses_without_cuda():
+    """bench/profile_kernels.py is GPU-only; without CUDA it must say so, not crash."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_kernels.py")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
