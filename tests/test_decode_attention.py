@@ -118,3 +118,4 @@ def test_decode_backend_choice():
     assert ca.select_decode_backend("triton", torch.device("cpu"), 128, torch.bfloat16).__qualname__.startswith("_triton_decode")
     with pytest.raises(ValueError, match="unknown decode attention backend"):
         ca.select_decode_backend("auto", torch.device("cpu"), 128, torch.bfloat16)
+

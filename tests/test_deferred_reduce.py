@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import florist
 from florist.engine.batch import HostBatch, to_device
 from florist.kernels import norms, skinny_gemm
+from florist.kernels.launch_counters import LaunchCounters
 from florist.kernels.skinny_gemm import SplitKPartials
 from florist.layers import linear
 from florist.layers.linear import RowParallelLinear
@@ -146,8 +147,8 @@ def test_forward_add_norm_at_tensor_parallel_size_above_one_all_reduces_first(mo
 def test_fused_norm_counters_must_exist_before_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(AssertionError, match="before graph capture"):
-        skinny_gemm._RowBlockCounters().get(torch.device("cuda", 0), 1)
-    counters = skinny_gemm._RowBlockCounters()
+        LaunchCounters("skinny_gemm_add_rms_norm").get(torch.device("cuda", 0), 1)
+    counters = LaunchCounters("skinny_gemm_add_rms_norm")
     made = counters.get(torch.device("cpu"), 1)
     assert made.dtype == torch.int32 and not made.any() and counters.get(torch.device("cpu"), 1) is made
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from florist.kernels.launch_counters import LaunchCounters
+
 try:
     import triton
     import triton.language as tl
@@ -75,25 +77,8 @@ def num_splits(batch_rows: int, num_kv_heads: int) -> int:
     return min(_MAX_SPLITS, 1 << (want.bit_length() - 1))
 
 
-class _Counters:
-    """One zeroed int32 counter per (sequence, kv head) and device, shared by every layer and
-    graph (launches on one stream never overlap, and each launch leaves its counters at 0)."""
-
-    def __init__(self):
-        self.by_device: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device, n: int) -> torch.Tensor:
-        have = self.by_device.get(device)
-        if have is None or have.numel() < n:
-            # NOTE: allocated on first use, which is an eager step: decode graphs are captured on
-            # a bucket's second step, and the KV cache bounds the rows of every later one.
-            assert not torch.cuda.is_current_stream_capturing(), "decode attention counters must exist before graph capture"
-            have = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-            self.by_device[device] = have
-        return have
-
-
-_counters = _Counters()
+# One counter per (sequence, kv head); the KV cache bounds the rows of every launch.
+_counters = LaunchCounters("decode attention", minimum=1024)
 
 
 def decode_attention(q, k_cache, v_cache, slots, context_lens, scale: float, splits: int | None = None) -> torch.Tensor:

@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from florist.kernels.activation import silu_and_mul
+from florist.kernels.launch_counters import LaunchCounters
 
 try:
     import triton
@@ -276,27 +277,8 @@ def _launch_reduce(partial: torch.Tensor, bias: torch.Tensor | None, out: torch.
 # The split-K product with the add + RMSNorm after it, in one launch (few rows)
 
 
-class _RowBlockCounters:
-    """One zeroed int32 counter per row block and device, shared by every launch and graph
-    (launches on one stream never overlap, and each launch leaves its counters at 0)."""
-
-    def __init__(self):
-        self.by_device: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device, n: int) -> torch.Tensor:
-        have = self.by_device.get(device)
-        if have is None or have.numel() < n:
-            # NOTE: allocated on first use, which is an eager step: graphs are captured on a
-            # bucket's second sight (engine/graph_runner.py, engine/generation/decode_graphs.py).
-            assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), (
-                "skinny_gemm_add_rms_norm's counters must exist before graph capture: run the step eagerly once first"
-            )
-            have = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-            self.by_device[device] = have
-        return have
-
-
-_counters = _RowBlockCounters()
+# One counter per row block of a fused product + add + RMSNorm launch.
+_counters = LaunchCounters("skinny_gemm_add_rms_norm", minimum=64)
 
 
 def _vector_fits(v: torch.Tensor, n: int, device: torch.device) -> bool:
