@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from florist.kernels import activation, embeddings, norms, pooling, rotary, skinny_gemm
+from florist.kernels import activation, embeddings, norms, pooling, rotary, skinny_gemm, split_k
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Kernel and reference round at the same steps; they differ by fp32 summation order and
@@ -153,7 +153,7 @@ def _norms_nonfinite(dtype):
 
 def _add_rms_norm_split_k(dtype, rows, cols, splits, *, bias=False, nonfinite=False, strided=False, weight_dtype=None):
     """add_rms_norm on a split-K product's unreduced partials (the fused reduction) against the
-    two-kernel path it replaces, skinny_gemm's `_reduce_kernel` then add_rms_norm: bit for bit,
+    two-kernel path it replaces, split_k's `_reduce_kernel` then add_rms_norm: bit for bit,
     x + residual and the normalised output alike. Against the torch reference (which reduces with
     `reduce_partials_ref`) as the other norm cases compare."""
 
@@ -166,10 +166,10 @@ def _add_rms_norm_split_k(dtype, rows, cols, splits, *, bias=False, nonfinite=Fa
         if nonfinite:  # a NaN and an inf in one partial each, and an inf - inf across two splits
             partials[0, 0, 3], partials[splits - 1, t - 1, cols - 1] = float("nan"), float("inf")
             partials[0, t // 2, 1], partials[splits - 1, t // 2, 1] = float("inf"), -float("inf")
-        p = skinny_gemm.SplitKPartials(partials, b, dtype)
+        p = split_k.SplitKPartials(partials, b, dtype)
         out, summed = norms.add_rms_norm_triton(p, res, w, EPS)
-        x = skinny_gemm.reduce_partials_triton(p)
-        assert_matches(x, skinny_gemm.reduce_partials_ref(p), exact=EXACT_SUM)
+        x = split_k.reduce_partials_triton(p)
+        assert_matches(x, split_k.reduce_partials_ref(p), exact=EXACT_SUM)
         two_kernel_out, two_kernel_summed = norms.add_rms_norm_triton(x, res, w, EPS)
         assert_matches(summed, two_kernel_summed, exact=True)
         assert_matches(out, two_kernel_out, exact=True)
@@ -288,9 +288,9 @@ def _skinny_gemm_deferred(dtype, m, n, k, *, bias=False, config=None):
         cfg = config or skinny_gemm.pick_config(m, n, k)
         assert cfg is not None and cfg.split_k > 1, f"{m} x {n} x {k}: not a split-K product"
         p = skinny_gemm.skinny_gemm_triton(x, w, b, False, cfg, defer_reduce=True)
-        assert isinstance(p, skinny_gemm.SplitKPartials) and p.partials.shape[1:] == (m, n) and p.dtype == dtype
+        assert isinstance(p, split_k.SplitKPartials) and p.partials.shape[1:] == (m, n) and p.dtype == dtype
         y = skinny_gemm.skinny_gemm_triton(x, w, b, False, cfg)
-        assert_matches(skinny_gemm.reduce_partials_triton(p), y, exact=True)
+        assert_matches(split_k.reduce_partials_triton(p), y, exact=True)
         for got, want in zip(norms.add_rms_norm_triton(p, res, norm_w, EPS), norms.add_rms_norm_triton(y, res, norm_w, EPS)):
             assert_matches(got, want, exact=True)
 

@@ -1,4 +1,4 @@
-"""Split-K reduction deferred into the next add + RMSNorm (skinny_gemm.SplitKPartials,
+"""Split-K reduction deferred into the next add + RMSNorm (split_k.SplitKPartials,
 RowParallelLinear.forward_deferred, norms.add_rms_norm), and for few rows the product, the add
 and the norm in one launch (skinny_gemm.skinny_gemm_add_rms_norm, RowParallelLinear.forward_add_norm),
 from the model's side.
@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 import florist
 from florist.engine.batch import HostBatch, to_device
-from florist.kernels import norms, skinny_gemm
+from florist.kernels import norms, skinny_gemm, split_k
 from florist.kernels.launch_counters import LaunchCounters
-from florist.kernels.skinny_gemm import SplitKPartials
+from florist.kernels.split_k import SplitKPartials
 from florist.layers import linear
 from florist.layers.linear import RowParallelLinear
 from florist.layers.norm import RMSNorm
@@ -165,7 +165,7 @@ def test_norms_take_partials_on_cpu(dtype, bias):
     res, norm_w = torch.randn(7, 40, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
     reduced = p.reduce()
     assert reduced.dtype == dtype and reduced[2, 3].isnan()
-    torch.testing.assert_close(reduced, skinny_gemm.reduce_partials_ref(p), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(reduced, split_k.reduce_partials_ref(p), rtol=0, atol=0, equal_nan=True)
     expected = (p.partials[0] + p.partials[1] + p.partials[2] + p.partials[3] + (0 if b is None else b.float())).to(dtype)
     torch.testing.assert_close(reduced, expected, rtol=0, atol=0, equal_nan=True)
     norm = RMSNorm(40, EPS).to(dtype)
@@ -289,7 +289,7 @@ def test_cuda_dispatch_of_partials(monkeypatch):
     launch = norms._launch_add_rms_norm_partials
     monkeypatch.setattr(norms, "_launch_add_rms_norm_partials", lambda *a: fused.append(1) or launch(*a))
     reduced = p.reduce()
-    assert torch.equal(reduced, skinny_gemm.reduce_partials_ref(p))
+    assert torch.equal(reduced, split_k.reduce_partials_ref(p))
     for got, want in zip(norm(p, res), norms.add_rms_norm_triton(reduced, res, norm.weight, EPS)):
         assert torch.equal(got, want)
     assert len(fused) == 1

@@ -17,8 +17,8 @@ step (sum rounded to x's dtype; normalised value rounded to x's dtype before the
 so the kernels differ from it only by fp32 summation order and rsqrt accuracy.
 
 Split-K reduction fused into add + RMSNorm: `add_rms_norm` also takes x as
-`skinny_gemm.SplitKPartials` (o_proj's and down_proj's fp32 partial sums, not yet reduced). The
-kernel then builds each x row the way `skinny_gemm._reduce_kernel` would have stored it and goes
+`split_k.SplitKPartials` (o_proj's and down_proj's fp32 partial sums, not yet reduced). The
+kernel then builds each x row the way `split_k._reduce_kernel` would have stored it and goes
 on as before:
 
     x = (p[0] + p[1] + ... + p[S-1] + bias) in fp32, from 0, in that order -> x's dtype
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from florist.kernels.skinny_gemm import SplitKPartials, reduce_partials_ref
+from florist.kernels.split_k import SplitKPartials, reduce_partials_ref
 
 try:
     import triton
@@ -275,7 +275,7 @@ def _reduce_partial_rows(p_ptr, b_ptr, rows, cols, col_ok, mask, stride_pt, stri
                          SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
                          CACHE_MODIFIER: tl.constexpr):
     """A tile of a split-K product from its fp32 partials [SPLIT_K, rows, cols], in fp32 and not
-    yet rounded: the sum and bias of skinny_gemm's `_reduce_kernel`, in the same order."""
+    yet rounded: the sum and bias of split_k's `_reduce_kernel`, in the same order."""
     p_ptrs = p_ptr + rows.to(tl.int64)[:, None] * stride_pt + cols[None, :]
     acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # the fixed order s = 0..S-1: the same bits as the reduce kernel

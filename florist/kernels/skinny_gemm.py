@@ -10,7 +10,7 @@ so a grid of about one program per SM or more streams the weight:
     program (n, s, m):  acc[BLOCK_M, BLOCK_N] = x[m rows, K slice s] @ w[n rows, K slice s].T
 
     SPLIT_K = 1:  the program applies the epilogue (bias, or silu(gate) * up) and stores y;
-    SPLIT_K > 1:  it stores fp32 partials [SPLIT_K, M, N]; `_reduce_kernel` sums them in a fixed
+    SPLIT_K > 1:  it stores fp32 partials [SPLIT_K, M, N]; `split_k._reduce_kernel` sums them in a fixed
                   order (deterministic, unlike atomics), adds the bias and casts.
 
 Deferred reduction (`defer_reduce=True`): where split-K runs, the product returns its partials
@@ -53,13 +53,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from florist.kernels import norms
 from florist.kernels.activation import silu_and_mul
 from florist.kernels.launch_counters import LaunchCounters
+from florist.kernels.split_k import SplitKPartials, launch_reduce, reduce_partials_ref, reduce_partials_triton
 
 try:
     import triton
@@ -79,7 +80,11 @@ ENABLED = os.environ.get("FLORIST_SKINNY_GEMM", "1") != "0"
 # its last program reduces and normalises every row alone, so it takes few rows, and whole rows
 # of at most this many columns (held in that program's registers).
 FUSED_NORM_MAX_ROWS = 4
-FUSED_NORM_MAX_COLS = 8192
+# NOTE: 2048, not the 8192 a program's registers could hold: up to 2048 columns the launch takes
+# the norm kernel's 8 warps, and the product compiled that way was checked (sm_90 PTX) to run the
+# same tensor-core steps in the same order as `_gemm_kernel` at its 4, so the fused result has the
+# same bits as the two launches; at 16 warps (wider rows) the product's layout differs.
+FUSED_NORM_MAX_COLS = 2048
 
 
 @dataclass(frozen=True)
@@ -90,48 +95,6 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-
-
-class SplitKPartials(NamedTuple):
-    """A split-K product not yet reduced: y = (sum over s of partials[s], in order s = 0..S-1, in
-    fp32) + bias, cast to `dtype`. Returned by `skinny_gemm(..., defer_reduce=True)` (through
-    `RowParallelLinear.forward_deferred`) and consumed by `norms.add_rms_norm`, whose kernel does
-    this sum while it loads x:
-
-        o_proj / down_proj  --partials [S, M, N] fp32-->  add_rms_norm(x=partials, residual)
-                            (one launch saved: no `_reduce_kernel`, no [M, N] round trip)
-
-    Anything else that receives one calls `.reduce()` and gets the ordinary tensor, bit for bit.
-    """
-
-    partials: torch.Tensor  # fp32 [S, M, N], last dim contiguous
-    bias: torch.Tensor | None  # [N], any float dtype, or None
-    dtype: torch.dtype  # the product's (activation) dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.partials.shape[1:]
-
-    @property
-    def device(self) -> torch.device:
-        return self.partials.device
-
-    def reduce(self) -> torch.Tensor:
-        """The product as a [M, N] tensor of `dtype`: `_reduce_kernel` on CUDA, torch elsewhere."""
-        if triton is not None and self.partials.is_cuda:
-            return reduce_partials_triton(self)
-        return reduce_partials_ref(self)
-
-
-def reduce_partials_ref(p: SplitKPartials) -> torch.Tensor:
-    """`_reduce_kernel` in torch, rounding for rounding: fp32 sum from 0 in order s = 0..S-1,
-    + bias in fp32, one cast."""
-    acc = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-    for part in p.partials:
-        acc += part
-    if p.bias is not None:
-        acc += p.bias.float()
-    return acc.to(p.dtype)
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
@@ -251,26 +214,6 @@ def _k_split(k: int, config: GemmConfig) -> tuple[int, int]:
     leave a slice empty is dropped."""
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     return k_per_split, triton.cdiv(k, k_per_split)
-
-
-def reduce_partials_triton(p: SplitKPartials) -> torch.Tensor:
-    out = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-    _launch_reduce(p.partials, p.bias, out)
-    return out
-
-
-def _launch_reduce(partial: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    split_k, m, n = partial.shape
-    assert partial.dtype == torch.float32 and partial.is_contiguous(), f"partials must be contiguous fp32, not {partial.dtype} strides {partial.stride()}"
-    assert out.shape == (m, n) and out.is_contiguous(), f"out {tuple(out.shape)} must be a contiguous [{m}, {n}]"
-    assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), f"bias {tuple(bias.shape)} must be a contiguous [{n}]"
-    if out.numel() == 0:
-        return
-    block = 1024
-    _reduce_kernel[(triton.cdiv(m * n, block),)](
-        partial, bias if bias is not None else out, out, m * n, n, partial.stride(0),
-        SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,20 +391,3 @@ def _gemm_add_rms_norm_kernel(x_ptr, w_ptr, b_ptr, partial_ptr, counter_ptr, res
             rows, cols, col_ok, mask, out_offs = norms._row_tile_at(first + g * NORM_ROWS, last, N, NORM_ROWS, NORM_COLS)
             norms._add_rms_norm_partial_rows(partial_ptr, b_ptr, res_ptr, nw_ptr, out_ptr, sum_ptr, rows, cols, col_ok, mask, out_offs,
                                              N, stride_split, stride_rt, N, eps, SPLIT_K, HAS_BIAS, NORM_ROWS, NORM_COLS, ".cg")
-
-
-@_jit
-def _reduce_kernel(partial_ptr, b_ptr, out_ptr, numel, N, stride_split, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):  # a fixed order: the same inputs give the same bits
-        acc += tl.load(partial_ptr + s * stride_split + offs, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-# NOTE: imported last: norms imports SplitKPartials from this module, and the fused kernel above
-# calls the norm's row helpers through `norms.` (looked up when the kernel compiles).
-from florist.kernels import norms

@@ -19,7 +19,7 @@ from torch import nn
 
 from florist.distributed import all_reduce, tp_rank, tp_size
 from florist.kernels import skinny_gemm
-from florist.kernels.skinny_gemm import SplitKPartials
+from florist.kernels.split_k import SplitKPartials
 from florist.layers.norm import RMSNorm
 
 

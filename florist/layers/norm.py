@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from florist.kernels import norms
-from florist.kernels.skinny_gemm import SplitKPartials
+from florist.kernels.split_k import SplitKPartials
 
 
 class RMSNorm(nn.Module):
