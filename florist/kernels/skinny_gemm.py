@@ -33,8 +33,10 @@ Same bits as the two launches it replaces (the product's partials, then `norms.a
 the K loop is one shared function (`_k_slice_product`), the row code is the norm kernel's, and the
 launch takes the norm kernel's row tiles and warps, so a row's sum of squares is split over the
 threads as it is there (so the product runs with 8 warps at N = 1024, not the 4 it was measured
-with; on the H200 the one launch took 6.19 us at one row against 4.49 + 2.17 us for the two). The counters are one persistent int32 buffer per device, made on the
-first (eager) call and left at 0 by every launch, so CUDA graphs replay them as they are.
+with). NOTE: on the H200 the one launch took 6.19 us at one row against 3.62 + 2.17 us for the
+two it replaces: not yet a gain (docs/benchmarks.md, "Generation"). The counters are one
+persistent int32 buffer per device, made on the first (eager) call and left at 0 by every
+launch, so CUDA graphs replay them as they are.
 NOTE: launches sharing a device must not run concurrently (one stream), as they share counters.
 
 Fused SwiGLU (`silu_mul=True`): w is MergedColumnParallelLinear's [gate (I) | up (I)] weight; a
