@@ -119,3 +119,11 @@ def test_decode_backend_choice():
     with pytest.raises(ValueError, match="unknown decode attention backend"):
         ca.select_decode_backend("auto", torch.device("cpu"), 128, torch.bfloat16)
 
+
+def test_flash_decode_says_when_torch_lacks_it(monkeypatch):
+    from florist.layers import cached_attention as ca
+
+    monkeypatch.setattr(ca, "flash_decode_available", lambda: False)
+    with pytest.raises(ValueError, match="seqused_k"):
+        ca.select_decode_backend("flash", torch.device("cuda"), 128, torch.bfloat16)
+

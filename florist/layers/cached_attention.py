@@ -93,6 +93,9 @@ def _triton_decode() -> DecodeFn:
 
 @register_decode_backend("flash")
 def _flash_decode() -> DecodeFn:
+    if not flash_decode_available():
+        raise ValueError(f"decode attention 'flash' needs aten._flash_attention_forward with seqused_k, which torch "
+                         f"{torch.__version__} lacks; choose 'triton' or 'torch'")
     op = torch.ops.aten._flash_attention_forward
 
     def attn(q, k_cache, v_cache, batch: GenerationBatch, scale: float) -> torch.Tensor:
