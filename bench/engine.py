@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from geometries import make_model  # noqa: E402
-from report import print_summary, percentiles, record, sync, time_calls  # noqa: E402
+from report import print_kernel_table, print_summary, percentiles, record, sync, time_calls  # noqa: E402
 
 from florist import Engine  # noqa: E402
 from florist.engine.batch import HostBatch  # noqa: E402
@@ -153,7 +153,7 @@ def graph_threshold(engine: Engine, name: str, sizes: list[int]):
 
 
 def profile(engine: Engine, name: str, shapes: list[list[int]], iters: int = 10):
-    """Top device kernels per step for a few shapes (graph replays show their kernels too)."""
+    """Device kernels per step for a few shapes (graph replays show their kernels too)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     rng = np.random.default_rng(4)
@@ -161,11 +161,10 @@ def profile(engine: Engine, name: str, shapes: list[list[int]], iters: int = 10)
         host = HostBatch.from_sequences(random_seqs(rng, engine.info.vocab_size, lens))
         for _ in range(3):
             engine.step(host).numpy()
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
                 engine.step(host).numpy()
-        print(f"\n== profile {name} {len(lens)} x {lens[0]} ({iters} steps) ==")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        print_kernel_table(prof, iters, f"profile {name} {len(lens)} x {lens[0]}", rows=14)
 
 
 def latency_breakdown(engine: Engine, name: str, lens: list[int], n: int = 200):

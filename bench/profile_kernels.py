@@ -10,7 +10,6 @@ named geometries, as bench/engine.py builds them.
 
 from __future__ import annotations
 
-import collections
 import sys
 import tempfile
 from pathlib import Path
@@ -22,24 +21,11 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from geometries import make_model  # noqa: E402
+from report import print_kernel_table  # noqa: E402
 
 from florist import Engine  # noqa: E402
 from florist.engine.batch import HostBatch  # noqa: E402
 from florist.engine.generation.config import GenerationConfig  # noqa: E402
-
-
-def table(prof, steps: int, title: str, rows: int = 22) -> None:
-    agg: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            entry = agg[e.name[:70]]
-            entry[0] += 1
-            entry[1] += e.device_time
-    kernels = sum(v[0] for v in agg.values()) / steps
-    total_us = sum(v[1] for v in agg.values()) / steps
-    print(f"\n== {title}: {kernels:.0f} kernels/step, {total_us:.1f} us/step of kernel time")
-    for name, (count, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:rows]:
-        print(f"{count / steps:7.1f}/step {us / count:8.2f} us avg {us / steps:9.1f} us/step  {name}")
 
 
 def main() -> int:
@@ -59,7 +45,7 @@ def main() -> int:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(steps):
                     engine.step(host).numpy()
-            table(prof, steps, f"{name} {n} x {length}")
+            print_kernel_table(prof, steps, f"{name} {n} x {length}")
         del engine
         torch.cuda.empty_cache()
     engine = Engine.from_pretrained(make_model(tmp / "lm", "qwen3-0.6b", variant="reranker"), device="cuda", dtype=torch.bfloat16,
@@ -69,7 +55,7 @@ def main() -> int:
         engine.generate([prompt], max_tokens=65, ignore_eos=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.generate([prompt], max_tokens=201, ignore_eos=True)
-    table(prof, 200, "qwen3 decode, batch 1 (per token; the prefill is included once)")
+    print_kernel_table(prof, 200, "qwen3 decode, batch 1 (per token; the prefill is included once)")
     return 0
 
 

@@ -4,6 +4,8 @@ for rates), printed as it is measured and kept for the summary and the JSON file
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 ROWS: list[dict] = []
@@ -59,3 +61,19 @@ def print_summary(json_path: str | None = None) -> None:
         s = f"{r['speedup']:.2f}x" if r["speedup"] else ""
         b = f"{r['transformers']:.3f}" if r["transformers"] is not None else "-"
         print(f"{r['scenario']:48s} {r['metric']:9s} florist {r['florist']:10.3f}  transformers {b:>10s} {r['unit']:9s} {s}")
+
+
+def print_kernel_table(prof, steps: int, title: str, rows: int = 22) -> None:
+    """Device kernels of a torch profiler run over `steps` steps, by name: launches per step,
+    average us, us per step (kernels replayed from CUDA graphs included)."""
+    agg: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = agg[e.name[:70]]
+            entry[0] += 1
+            entry[1] += e.device_time
+    kernels = sum(v[0] for v in agg.values()) / steps
+    total_us = sum(v[1] for v in agg.values()) / steps
+    print(f"\n== {title}: {kernels:.0f} kernels/step, {total_us:.1f} us/step of kernel time")
+    for name, (count, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:rows]:
+        print(f"{count / steps:7.1f}/step {us / count:8.2f} us avg {us / steps:9.1f} us/step  {name}")

@@ -32,3 +32,20 @@ def test_profile_kernels_refuses_without_cuda():
     """bench/profile_kernels.py is GPU-only; without CUDA it must say so, not crash."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_kernels.py")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_print_kernel_table_counts_per_step(capsys):
+    """bench/report.py's kernel table (bench/profile_kernels.py, bench/engine.py --only profile)."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from report import print_kernel_table
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(name="gemm", device_type=cuda, device_time=6.0)] * 4 + [
+        SimpleNamespace(name="norm", device_type=cuda, device_time=2.0)] * 2 + [SimpleNamespace(name="host", device_type=cpu, device_time=0.0)]
+    print_kernel_table(SimpleNamespace(events=lambda: events), 2, "t")
+    out = capsys.readouterr().out.splitlines()
+    assert "3 kernels/step, 14.0 us/step" in out[1]
+    assert out[2].split()[:5] == ["2.0/step", "6.00", "us", "avg", "12.0"] and out[2].endswith("gemm")
+    assert out[3].endswith("norm") and len(out) == 4
