@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from florist.engine.generation.batch import GenerationBatch
@@ -69,16 +68,11 @@ def select_decode_backend(name: str | None, device: torch.device, head_dim: int,
 @register_decode_backend("torch")
 def _torch_decode() -> DecodeFn:
     def attn(q, k_cache, v_cache, batch: GenerationBatch, scale: float) -> torch.Tensor:
-        n = batch.max_context_len
-        keys = k_cache[batch.slots, :n].transpose(1, 2)  # [B, Hkv, n, D]
-        values = v_cache[batch.slots, :n].transpose(1, 2)
         # NOTE: rows past a sequence's length hold stale k/v of an earlier sequence (or zeros);
-        # the mask gives them weight exactly 0, and the cache starts zeroed so 0 * stale is 0.
-        mask = torch.arange(n, device=q.device) < batch.context_lens.unsqueeze(1)  # [B, n]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=q.shape[1] != k_cache.shape[2]
-        )
-        return out.squeeze(2)
+        # the reference's length mask gives them weight exactly 0, and the cache starts zeroed so
+        # 0 * stale is 0. Only the first max_context_len positions are gathered.
+        n = batch.max_context_len
+        return decode_attention.decode_attention_ref(q, k_cache[:, :n], v_cache[:, :n], batch.slots, batch.context_lens, scale)
 
     return attn
 
