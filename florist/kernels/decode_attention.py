@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from florist.kernels.launch_counters import LaunchCounters
+from florist.kernels.online_softmax import online_softmax_step
 
 try:
     import triton
@@ -163,17 +164,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, m
                 scores = tl.dot(q, tl.trans(k))
             # scores in base 2: exp(x) = exp2(x * log2(e))
             scores = tl.where(pos_ok[None, :], scores * scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            # A block with no valid key leaves m_new = -inf: keep the exponent finite (it then adds 0).
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(scores - m_safe[:, None])
-            alpha = tl.exp2(m - m_safe)
-            l = l * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:  # p rounded to the inputs' dtype for the product, as flash attention kernels do
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            # m starts at -inf (the merge reads each slice's true max), not at a floor: the step's
+            # guard takes a row whose scores are all -inf so far against 0 (it then adds 0).
+            m, l, acc = online_softmax_step(scores, v, m, l, acc, IEEE, GUARD_NEG_INF=True)
 
         out_offs = b.to(tl.int64) * num_kv_heads * group * head_dim + q_heads[:, None] * head_dim + d[None, :]
         out_mask = g_ok[:, None] & d_ok[None, :]

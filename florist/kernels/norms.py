@@ -34,7 +34,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from florist.kernels.split_k import SplitKPartials, reduce_partials_ref
+from florist.kernels.split_k import (
+    SplitKPartials,
+    reduce_partial_rows,
+    reduce_partials_ref,
+)
 
 try:
     import triton
@@ -271,22 +275,6 @@ def _add_residual(x, res_ptr, rows, cols, mask, num_heads, stride_rt, stride_rh)
 
 
 @_jit
-def _reduce_partial_rows(p_ptr, b_ptr, rows, cols, col_ok, mask, stride_pt, stride_split,
-                         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                         CACHE_MODIFIER: tl.constexpr):
-    """A tile of a split-K product from its fp32 partials [SPLIT_K, rows, cols], in fp32 and not
-    yet rounded: the sum and bias of split_k's `_reduce_kernel`, in the same order."""
-    p_ptrs = p_ptr + rows.to(tl.int64)[:, None] * stride_pt + cols[None, :]
-    acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):  # the fixed order s = 0..S-1: the same bits as the reduce kernel
-        acc += tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=CACHE_MODIFIER)
-        p_ptrs += stride_split
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    return acc
-
-
-@_jit
 def _rms_norm_rows(x, w_ptr, out_ptr, out_offs, cols, col_ok, mask, n_cols, eps):
     """Stores rms_norm(x) * weight for a tile of rows x (in x's dtype, masked elements 0)."""
     xf = x.to(tl.float32)
@@ -307,8 +295,8 @@ def _add_rms_norm_partial_rows(p_ptr, b_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, r
     rounded to the residual's dtype (= the product's) as `_reduce_kernel` stores it, then goes on
     as a plain x does. `_rms_norm_kernel` (SPLIT_K > 0) and skinny_gemm's fused
     `_gemm_add_rms_norm_kernel` (its last program) both call this, so their bits cannot drift apart."""
-    x = _reduce_partial_rows(p_ptr, b_ptr, rows, cols, col_ok, mask, stride_pt, stride_split,
-                             SPLIT_K, HAS_BIAS, BLOCK_ROWS, BLOCK_COLS, CACHE_MODIFIER)
+    x = reduce_partial_rows(p_ptr, b_ptr, rows, cols, col_ok, mask, stride_pt, stride_split,
+                            SPLIT_K, HAS_BIAS, BLOCK_ROWS, BLOCK_COLS, CACHE_MODIFIER)
     x = _add_residual(x.to(res_ptr.dtype.element_ty), res_ptr, rows, cols, mask, 1, stride_rt, 0)
     tl.store(sum_ptr + out_offs, x, mask=mask)
     _rms_norm_rows(x, w_ptr, out_ptr, out_offs, cols, col_ok, mask, n_cols, eps)

@@ -27,6 +27,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from florist.kernels.online_softmax import online_softmax_step
+
 try:
     import triton
     import triton.language as tl
@@ -164,7 +166,8 @@ def _short_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, num_tokens, qk
     v_base = v_ptr + kv_head * stride_vh
 
     # NOTE: a finite floor for the running max: a row whose keys are all masked in a tile (or
-    # everywhere: query rows past n, never stored) gives exp2(-inf - floor) = 0, never NaN.
+    # everywhere: query rows past n, never stored) gives exp2(-inf - floor) = 0, never NaN, so
+    # the shared step runs without its -inf guard (florist/kernels/online_softmax.py).
     m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -185,16 +188,8 @@ def _short_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, num_tokens, qk
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None])
             s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_base + tok_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, IEEE, GUARD_NEG_INF=False)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     ptrs = out_ptr + tok_m[:, None] * out_row + head * HEAD_DIM + offs_d[None, :]
     tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])

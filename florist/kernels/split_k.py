@@ -1,7 +1,9 @@
 """A split-K product's fp32 partial sums, and their reduction (`_reduce_kernel`).
 
 florist/kernels/skinny_gemm.py produces them; florist/kernels/norms.py's add + RMSNorm can sum them
-itself while it loads its input (one launch fewer), rounding exactly where `_reduce_kernel` does.
+itself while it loads its input (one launch fewer), rounding exactly where `_reduce_kernel` does:
+both sum a tile with `reduce_partial_rows`, defined here (norms imports this module, not the
+other way round).
 """
 
 from __future__ import annotations
@@ -76,20 +78,39 @@ def launch_reduce(partial: torch.Tensor, bias: torch.Tensor | None, out: torch.T
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), f"bias {tuple(bias.shape)} must be a contiguous [{n}]"
     if out.numel() == 0:
         return
-    block = 1024
-    _reduce_kernel[(triton.cdiv(m * n, block),)](
-        partial, bias if bias is not None else out, out, m * n, n, partial.stride(0),
-        SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+    # Program (row, column block): up to 1024 columns of one row. Not a tile of several short
+    # rows: compiled for sm_90, a [2, 512] tile (N = 384) staged the bias through shared memory.
+    block_cols = min(1024, triton.next_power_of_2(n))
+    _reduce_kernel[(m, triton.cdiv(n, block_cols))](
+        partial, bias if bias is not None else out, out, n, partial.stride(0),
+        SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_COLS=block_cols, num_warps=4,
     )
 
 
 @_jit
-def _reduce_kernel(partial_ptr, b_ptr, out_ptr, numel, N, stride_split, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+def reduce_partial_rows(p_ptr, b_ptr, rows, cols, col_ok, mask, stride_pt, stride_split,
+                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                        CACHE_MODIFIER: tl.constexpr):
+    """A [BLOCK_ROWS, BLOCK_COLS] tile (rows x cols, masked by `mask`; bias loads by `col_ok`) of a
+    split-K product from its fp32 partials [SPLIT_K, M, N] (row stride stride_pt, N contiguous), in
+    fp32 and not yet rounded: (p[0] + ... + p[S-1]) from 0, in that order, then + bias in fp32.
+    `_reduce_kernel` casts it to the product's dtype; norms' add + RMSNorm on partials (and
+    skinny_gemm's fused product + norm) call this same code, so their bits cannot drift apart."""
+    p_ptrs = p_ptr + rows.to(tl.int64)[:, None] * stride_pt + cols[None, :]
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # a fixed order: the same inputs give the same bits
-        acc += tl.load(partial_ptr + s * stride_split + offs, mask=ok, other=0.0)
+        acc += tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=CACHE_MODIFIER)
+        p_ptrs += stride_split
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@_jit
+def _reduce_kernel(partial_ptr, b_ptr, out_ptr, N, stride_split, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    rows = tl.program_id(0) + tl.arange(0, 1)
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_ok = cols < N
+    mask = col_ok[None, :]
+    acc = reduce_partial_rows(partial_ptr, b_ptr, rows, cols, col_ok, mask, N, stride_split, SPLIT_K, HAS_BIAS, 1, BLOCK_COLS, "")
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
