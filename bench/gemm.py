@@ -3,13 +3,11 @@
 For each served weight shape (Qwen3-0.6B, all-MiniLM-L6-v2, the Qwen3 LM head) and row count M,
 times y = x @ w.T three ways, all inside CUDA graphs:
 
-    cublas   F.linear (+ the SwiGLU kernel for gate/up, + F.gelu for "+gelu": the unfused path;
-             for "down+swiglu-in" the SwiGLU kernel on the [gate | up] input first)
+    cublas   F.linear (+ the SwiGLU kernel for gate/up, + F.gelu for "+gelu": the unfused path)
     picked   skinny_gemm with the configuration `pick_config` chooses (what the model runs)
     best     the fastest configuration of a sweep (what `pick_config` could choose)
 o and down are picked and swept with the split-K reduction deferred to the norm after them, as
-the model runs them (a split-K time there excludes the reduce launch); "down+swiglu-in" reads
-the [gate | up] projection and activates it in its K loop (`swiglu_input`).
+the model runs them (a split-K time there excludes the reduce launch).
 
 NOTE: one replay calls the product on `copies` distinct weights (> 200 MB in all), as 28 layers
 do, so weights come from HBM and not from the 50 MB L2. Time per call = replay time / copies.
@@ -43,7 +41,6 @@ SHAPES = [
     ("qwen3 o", 1024, 2048, False),
     ("qwen3 gate_up+silu", 6144, 1024, True),
     ("qwen3 down", 1024, 3072, False),
-    ("qwen3 down+swiglu-in", 1024, 3072, False),
     ("qwen3 lm_head", 151936, 1024, False),
     ("minilm qkv", 1152, 384, False),
     ("minilm o", 384, 384, False),
@@ -101,28 +98,25 @@ def main() -> int:
         copies = max(2, min(64, -(-256 * 2**20 // weight_bytes)))
         weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.05 for _ in range(copies)]
         gelu = name.endswith("+gelu")
-        # "+swiglu-in": the input is a [gate | up] projection, activated in the product's K loop
-        # (cuBLAS column: the SwiGLU kernel, then F.linear).
-        swiglu_in = name.endswith("+swiglu-in")
         # o_proj and down_proj run split-K with the reduction left to the norm after them
         # (RowParallelLinear.forward_deferred): picked and swept that way.
-        defer = name.startswith(("qwen3 o", "qwen3 down"))
+        defer = name in ("qwen3 o", "qwen3 down")
         for m in args.m:
-            x = torch.randn(m, 2 * k if swiglu_in else k, device=dev, dtype=dtype)
-            ref = skinny_gemm.skinny_gemm_ref(activation.silu_and_mul(x).float() if swiglu_in else x.float(), weights[0].float(), None, silu, gelu)
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            ref = skinny_gemm.skinny_gemm_ref(x.float(), weights[0].float(), None, silu, gelu)
 
             def cublas(i):
-                y = F.linear(activation.silu_and_mul(x) if swiglu_in else x, weights[i])
+                y = F.linear(x, weights[i])
                 return activation.silu_and_mul(y) if silu else F.gelu(y) if gelu else y
 
             def product(i, cfg):
-                return skinny_gemm.skinny_gemm_triton(x, weights[i], None, silu, cfg, gelu, defer, swiglu_in)
+                return skinny_gemm.skinny_gemm_triton(x, weights[i], None, silu, cfg, gelu, defer)
 
             t_cublas = time_graph(cublas, copies)
             picked = skinny_gemm.pick_config(m, n, k, silu, gelu, defer)
             t_picked = None
             if picked is not None:
-                got = skinny_gemm.skinny_gemm_triton(x, weights[0], None, silu, picked, gelu, swiglu_input=swiglu_in).float()
+                got = skinny_gemm.skinny_gemm_triton(x, weights[0], None, silu, picked, gelu).float()
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
                 assert err < 2e-2, f"{name} M={m} {picked}: relative error {err}"
                 t_picked = time_graph(lambda i: product(i, picked), copies)
@@ -149,7 +143,7 @@ def main() -> int:
     # Whole-layer sums for Qwen3 (qkv + o + gate_up+silu + down), the number that moves latency.
     print("\nQwen3-0.6B layer (qkv + o + gate_up+silu + down), us:")
     for m in args.m:
-        sel = [r for r in rows if r["m"] == m and r["shape"].startswith("qwen3") and "lm_head" not in r["shape"] and "swiglu-in" not in r["shape"]]
+        sel = [r for r in rows if r["m"] == m and r["shape"].startswith("qwen3") and "lm_head" not in r["shape"]]
         if len(sel) == 4:
             c = sum(r["cublas_us"] for r in sel)
             p = sum(r["picked_us"] if r["picked_us"] is not None else r["cublas_us"] for r in sel)

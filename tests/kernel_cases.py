@@ -297,28 +297,6 @@ def _skinny_gemm_deferred(dtype, m, n, k, *, bias=False, config=None):
     return case
 
 
-def _skinny_gemm_swiglu_input(dtype, m, n, k, *, config=None, nonfinite=False):
-    """A product that reads a [gate | up] projection (swiglu_input) equals the product of that
-    projection activated by `activation.silu_and_mul_triton` first, bit for bit (same config),
-    reduced in the product or deferred to the norm."""
-    def case(g: Inputs, big: bool):
-        x = g.randn(m, 2 * k, dtype=dtype, scale=2.0)
-        if nonfinite:
-            x[0, 3], x[m - 1, k + 5], x[m // 2, 7] = float("nan"), float("inf"), float("-inf")
-        w = g.randn(n, k, dtype=dtype, scale=0.5)
-        cfg = config or skinny_gemm.pick_config(m, n, k, deferred=True)
-        assert cfg is not None, f"pick_config chooses cuBLAS for {m} x {n} x {k}: not a case for the kernel"
-        activated = activation.silu_and_mul_triton(x)
-        for defer in (False, True):
-            got = skinny_gemm.skinny_gemm_triton(x, w, None, False, cfg, defer_reduce=defer, swiglu_input=True)
-            want = skinny_gemm.skinny_gemm_triton(activated, w, None, False, cfg, defer_reduce=defer)
-            if defer and cfg.split_k > 1:
-                got, want = got.reduce(), want.reduce()
-            assert_matches(got, want, exact=True)
-
-    return case
-
-
 def _skinny_gemm_add_rms_norm(dtype, m, n, k, splits=None, *, bias=False, nonfinite=False, strided=False, weight_dtype=None):
     """The product + add + RMSNorm launch (few rows) against the two launches it replaces, the
     split-K product's partials and then add_rms_norm on them: bit for bit, the normed output and
@@ -455,10 +433,6 @@ def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
         cases[f"skinny_gemm-{name}-deferred-split2-uneven"] = _skinny_gemm_deferred(dtype, 3, 48, 112, config=cfg(16, 16, 32, split_k=2))
         cases[f"skinny_gemm-{name}-picked-o-deferred"] = _skinny_gemm_deferred(dtype, 1, 1024, 2048)
         cases[f"skinny_gemm-{name}-picked-down-deferred-m64"] = _skinny_gemm_deferred(dtype, 64, 1024, 3072)
-        cases[f"skinny_gemm-{name}-swiglu-input"] = _skinny_gemm_swiglu_input(dtype, 19, 40, 96, config=cfg(16, 16, 32))
-        cases[f"skinny_gemm-{name}-swiglu-input-split3-uneven-nan-inf"] = _skinny_gemm_swiglu_input(
-            dtype, 21, 48, 112, config=cfg(16, 16, 32, split_k=3), nonfinite=True)
-        cases[f"skinny_gemm-{name}-picked-down-swiglu-input-m100"] = _skinny_gemm_swiglu_input(dtype, 100, 1024, 3072, nonfinite=True)
         cases[f"skinny_gemm-{name}-picked-o-m128-deferred-config"] = _skinny_gemm(dtype, 128, 1024, 2048, config=skinny_gemm.pick_config(128, 1024, 2048, deferred=True))
         cases[f"skinny_gemm-{name}-picked-o-deferred-m128"] = _skinny_gemm_deferred(dtype, 128, 1024, 2048)
         cases[f"skinny_gemm-{name}-picked-down-deferred-m97"] = _skinny_gemm_deferred(dtype, 97, 1024, 3072, bias=True)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import florist
 from florist.engine.batch import HostBatch, to_device
-from florist.kernels import activation, norms, skinny_gemm, split_k
+from florist.kernels import norms, skinny_gemm, split_k
 from florist.kernels.launch_counters import LaunchCounters
 from florist.kernels.split_k import SplitKPartials
 from florist.layers import linear
@@ -54,9 +54,7 @@ def fake_split_k(monkeypatch, *, reduce_at_once: bool, splits: int = 3) -> list[
     returns the list of partials made."""
     real, made = skinny_gemm.skinny_gemm, []
 
-    def product(x, weight, bias=None, silu_mul=False, gelu=False, config=None, defer_reduce=False, swiglu_input=False):
-        if swiglu_input:
-            x = activation.silu_and_mul(x)
+    def product(x, weight, bias=None, silu_mul=False, gelu=False, config=None, defer_reduce=False):
         if not defer_reduce:
             return real(x, weight, bias, silu_mul, gelu, config)
         made.append(_split_k_partials(x, weight, bias, splits))
@@ -249,38 +247,6 @@ def test_qwen3_hands_each_product_the_norm_after_it(request, fixture, monkeypatc
             limit = skinny_gemm.FUSED_NORM_MAX_ROWS
             assert len(calls) == (len(order) - 2) * (sum(lens) <= limit) + 2 * (final_rows <= limit)
             assert torch.equal(mixed, deferred), f"{fixture} {lens} last_token_only={last_token_only}"
-
-
-@pytest.mark.parametrize("fixture", ["qwen3_dir", "reranker_dir"])
-def test_qwen3_down_proj_takes_the_swiglu_input(request, fixture, monkeypatch):
-    """Where down_proj's product activates its own input (`takes_swiglu_input`), the MLP hands it
-    the un-activated gate/up projection (`SwiGLUInput`): same bits as activating it first, with
-    and without split-K partials deferred to the norm."""
-    task = "score" if fixture == "reranker_dir" else None
-    engine = florist.Engine.from_pretrained(request.getfixturevalue(fixture), device="cpu", task=task)
-    model = engine.runner.model.model
-    taken = []
-    real_product = skinny_gemm.skinny_gemm
-
-    def recording(*args, **kwargs):
-        taken.append(kwargs.get("swiglu_input", False))
-        return real_product(*args, **kwargs)
-
-    for lens in ([3, 17, 1], [6]):
-        plain = _forward(engine, lens)
-        with monkeypatch.context() as m:
-            m.setattr(skinny_gemm, "swiglu_input_applies", lambda x, weight: True)
-            m.setattr(skinny_gemm, "skinny_gemm", recording)
-            taken.clear()
-            fused = _forward(engine, lens)
-            assert sum(taken) == len(model.layers)  # every down_proj read a SwiGLUInput
-            fake_split_k(m, reduce_at_once=False)
-            fused_deferred = _forward(engine, lens)
-        assert torch.equal(fused, plain), f"{fixture} {lens}"
-        with monkeypatch.context() as m:
-            fake_split_k(m, reduce_at_once=False)
-            deferred = _forward(engine, lens)
-        assert torch.equal(fused_deferred, deferred), f"{fixture} {lens}"
 
 
 def test_generation_with_deferred_partials(tmp_path, monkeypatch):

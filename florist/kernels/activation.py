@@ -6,15 +6,9 @@ fp16/bf16/fp32; the reference otherwise. The input is the merged gate/up project
     x [T, 2I] = | gate (I) | up (I) |   ->   out [T, I] = silu(gate) * up
 
 Rows may be strided (only the last dim must be contiguous); the output is a new contiguous tensor.
-
-`SwiGLUInput` wraps a projection whose SwiGLU is left to the product that reads it (the skinny
-product's `swiglu_input`, which makes silu(gate) * up in its K loop with this kernel's steps, so
-the same bits): one launch fewer where the projection itself runs in cuBLAS.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,15 +25,6 @@ _jit = triton.jit if triton is not None else (lambda fn: fn)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024  # columns per program; a row of I = 3072 is three programs
-
-
-class SwiGLUInput(NamedTuple):
-    """A [T, 2I] [gate | up] projection, not yet activated; `.apply()` -> silu(gate) * up."""
-
-    gate_up: torch.Tensor
-
-    def apply(self) -> torch.Tensor:
-        return silu_and_mul(self.gate_up)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

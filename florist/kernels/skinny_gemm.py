@@ -129,11 +129,11 @@ def pick_config(m: int, n: int, k: int, silu_mul: bool = False, gelu: bool = Fal
         the kernel loses: 6.4 against 5.7 us).
       64 < rows <= 128, with the split-K reduction deferred to the norm after the product
       (`deferred`: o_proj and down_proj, RowParallelLinear.forward_deferred):
-      - narrow output, long K (Qwen3 o, down): 4.6 vs 5.8 us and 5.7 vs 8.1 us at 128 rows
+      - narrow output, long K (Qwen3 o, down): 4.6 vs 6.1 us and 5.7 vs 8.1 us at 128 rows
         (64 x 64 tiles, K split 4); reduced in its own launch it would not win.
     Qwen3's qkv (4096 x 1024) and the LM head stay with cuBLAS (it is as fast or faster), and
     above 64 rows cuBLAS' tensor-core tiles win every other shape measured (gate/up + SwiGLU:
-    8.5 vs 8.3 us at 128 rows, 15.0 vs 13.8 at 512).
+    8.5 vs 8.3 us at 128 rows, 15.0 vs 13.8 at 512; o and down at 512 rows: 7.4 vs 6.0, 8.8 vs 8.0).
     """
     if gelu and k <= 512 and 64 < m <= 128:
         return GemmConfig(128, 16, 128, 1, 4, 4)
@@ -154,45 +154,28 @@ def pick_config(m: int, n: int, k: int, silu_mul: bool = False, gelu: bool = Fal
     return None
 
 
-def _supported(x: torch.Tensor, weight: torch.Tensor, swiglu_input: bool = False) -> bool:
+def _supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.dtype in _DTYPES and weight.dtype == x.dtype and x.dim() == 2 and weight.dim() == 2
-        and x.stride(1) == 1 and weight.stride(1) == 1 and x.shape[1] == weight.shape[1] * (2 if swiglu_input else 1)
-        and weight.shape[1] % 16 == 0
+        and x.stride(1) == 1 and weight.stride(1) == 1 and x.shape[1] == weight.shape[1] and x.shape[1] % 16 == 0
     )
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, swiglu_input: bool = False) -> bool:
-    return ENABLED and triton is not None and x.is_cuda and _supported(x, weight, swiglu_input)
-
-
-def swiglu_input_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `skinny_gemm(gate_up, weight, swiglu_input=True, defer_reduce=True)` runs the
-    Triton kernel for a product of x's rows (host-side checks only): then the [gate | up]
-    projection before it need not be activated in a launch of its own. Only where that
-    projection itself runs in cuBLAS (else its own kernel fuses SwiGLU)."""
-    m, k = x.shape[0], weight.shape[1]
-    return (
-        ENABLED and triton is not None and x.is_cuda and x.dtype in _DTYPES and weight.dtype == x.dtype and k % 16 == 0
-        and pick_config(m, 2 * k, x.shape[1], silu_mul=True) is None and pick_config(m, weight.shape[0], k, deferred=True) is not None
-    )
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return ENABLED and triton is not None and x.is_cuda and _supported(x, weight)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-                gelu: bool = False, config: GemmConfig | None = None, defer_reduce: bool = False,
-                swiglu_input: bool = False) -> torch.Tensor | SplitKPartials:
+                gelu: bool = False, config: GemmConfig | None = None, defer_reduce: bool = False) -> torch.Tensor | SplitKPartials:
     """y = x @ weight.T (+ bias); with silu_mul, silu(y[:, :I]) * y[:, I:]; with gelu, exact
-    (erf) GELU of y; with swiglu_input, x is a [gate | up] projection and y = silu_and_mul(x) @
-    weight.T. The Triton kernel where it applies and `pick_config` (or `config`) chooses it; else
-    F.linear, with each activation as its own op (the fused SwiGLU kernel on CUDA).
+    (erf) GELU of y. The Triton kernel where it applies and `pick_config` (or `config`) chooses
+    it; else F.linear, then the activation as its own op (the fused SwiGLU kernel on CUDA).
     With `defer_reduce`, a product that runs split-K returns `SplitKPartials` (the caller's next
     op sums them); every other product returns the tensor as usual."""
-    if applies(x, weight, swiglu_input):
+    if applies(x, weight):
         config = config or pick_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul, gelu, defer_reduce)
         if config is not None:
-            return skinny_gemm_triton(x, weight, bias, silu_mul, config, gelu, defer_reduce, swiglu_input)
-    if swiglu_input:
-        x = silu_and_mul(x)
+            return skinny_gemm_triton(x, weight, bias, silu_mul, config, gelu, defer_reduce)
     y = F.linear(x, weight, bias)
     if silu_mul:
         return silu_and_mul(y)
@@ -200,11 +183,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, config: GemmConfig,
-                       gelu: bool = False, defer_reduce: bool = False, swiglu_input: bool = False) -> torch.Tensor | SplitKPartials:
-    """The Triton product (see `skinny_gemm`). With `swiglu_input`, x is a [M, 2K] [gate | up]
-    projection and the product reads silu(gate) * up ([M, K]) in its K loop."""
-    assert _supported(x, weight, swiglu_input), f"unsupported input: x {x.dtype} {tuple(x.shape)} strides {x.stride()}, weight {weight.dtype} {tuple(weight.shape)}"
-    assert not (swiglu_input and (silu_mul or gelu)), "a SwiGLU input and an activation of the output: one at a time"
+                       gelu: bool = False, defer_reduce: bool = False) -> torch.Tensor | SplitKPartials:
+    assert _supported(x, weight), f"unsupported input: x {x.dtype} {tuple(x.shape)} strides {x.stride()}, weight {weight.dtype} {tuple(weight.shape)}"
     assert not ((silu_mul or gelu) and config.split_k > 1), "activations are not linear in the partial sums: split_k must be 1"
     assert not (silu_mul and gelu), "one activation at a time"
     assert not silu_mul or weight.shape[0] % 2 == 0, f"a merged gate/up weight has an even number of rows, not {weight.shape[0]}"
@@ -213,7 +193,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
         f"tensors are on {x.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({x.device}) first"
     )
-    m, k = x.shape[0], weight.shape[1]
+    m, k = x.shape
     n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     if m == 0 or n_out == 0:
         return torch.empty((m, n_out), dtype=x.dtype, device=x.device)
@@ -224,19 +204,17 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
         _gemm_kernel[grid](
             x, weight, bias if bias is not None else out, out, m, n_out, k, x.stride(0), weight.stride(0), out.stride(0),
-            0, k if swiglu_input else 0, n_out if silu_mul else 0,
+            0, 0, n_out if silu_mul else 0,
             K_PER_SPLIT=k_per_split, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=False, HAS_BIAS=bias is not None,
-            SILU_MUL=silu_mul, GELU=gelu, EVEN_K=k_per_split * split_k == k, X_SWIGLU=swiglu_input,
-            num_warps=c.num_warps, num_stages=c.num_stages,
+            SILU_MUL=silu_mul, GELU=gelu, EVEN_K=k_per_split * split_k == k, num_warps=c.num_warps, num_stages=c.num_stages,
         )
         return out
     partial = torch.empty((split_k, m, n_out), dtype=torch.float32, device=x.device)
     _gemm_kernel[grid](
         x, weight, x, partial, m, n_out, k, x.stride(0), weight.stride(0), n_out,  # no bias here (b_ptr unused): the reduction adds it
-        partial.stride(0), k if swiglu_input else 0, 0,
+        partial.stride(0), 0, 0,
         K_PER_SPLIT=k_per_split, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=True, HAS_BIAS=False,
-        SILU_MUL=False, GELU=False, EVEN_K=k_per_split * split_k == k, X_SWIGLU=swiglu_input,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        SILU_MUL=False, GELU=False, EVEN_K=k_per_split * split_k == k, num_warps=c.num_warps, num_stages=c.num_stages,
     )
     product = SplitKPartials(partial, bias, x.dtype)
     return product if defer_reduce else reduce_partials_triton(product)
@@ -334,15 +312,15 @@ def skinny_gemm_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias:
 
 @_jit
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 stride_split, x_up_offset, up_offset,
+                 stride_split, unused, up_offset,
                  K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, GELU: tl.constexpr, EVEN_K: tl.constexpr, X_SWIGLU: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, GELU: tl.constexpr, EVEN_K: tl.constexpr):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
     acc, acc_up = _k_slice_product(x_ptr, w_ptr, rm, rn, m_ok, n_ok, pid_k * K_PER_SPLIT, K, stride_xm, stride_wn, up_offset,
-                                   x_up_offset, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, SILU_MUL, EVEN_K, X_SWIGLU)
+                                   K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, SILU_MUL, EVEN_K)
     mask = m_ok[:, None] & n_ok[None, :]
     if PARTIAL:
         tl.store(out_ptr + pid_k * stride_split + rm[:, None] * stride_om + rn[None, :], acc, mask=mask)
@@ -360,21 +338,11 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
 
 
 @_jit
-def _silu_mul(gate, up):
-    """silu(gate) * up in the inputs' dtype, step for step as `activation._silu_and_mul_kernel`."""
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(gate.dtype)
-
-
-@_jit
-def _k_slice_product(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k_start, K, stride_xm, stride_wn, up_offset, x_up_offset,
+def _k_slice_product(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k_start, K, stride_xm, stride_wn, up_offset,
                      K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, X_SWIGLU: tl.constexpr = False):
+                     SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
     """(acc, acc_up) in fp32: x[rm, K slice] @ w[rn, K slice].T over the slice k_start.. of
     K_PER_SPLIT, and with SILU_MUL the same against the up rows rn + up_offset (else acc_up is 0).
-    With X_SWIGLU, x is [gate | up] (up at column x_up_offset) and the product reads
-    silu(gate) * up, made as `activation._silu_and_mul_kernel` makes it (same bits).
     Both product kernels run this loop, so a split's partial sums have the same bits in each."""
     rk = tl.arange(0, BLOCK_K)
     # Out-of-range rows/columns read row 0 (always valid) and are masked on store: loads stay
@@ -390,16 +358,10 @@ def _k_slice_product(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k_start, K, stride_xm, st
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
-            if X_SWIGLU:
-                x_up = tl.load(x_ptrs + x_up_offset)
         else:
             k_ok = (k_start + k + rk) < K
             x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-            if X_SWIGLU:
-                x_up = tl.load(x_ptrs + x_up_offset, mask=k_ok[None, :], other=0.0)
-        if X_SWIGLU:
-            x = _silu_mul(x, x_up)
         acc = tl.dot(x, w, acc)
         if SILU_MUL:
             if EVEN_K:
@@ -424,7 +386,7 @@ def _gemm_add_rms_norm_kernel(x_ptr, w_ptr, b_ptr, partial_ptr, counter_ptr, res
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
-    acc, _ = _k_slice_product(x_ptr, w_ptr, rm, rn, m_ok, n_ok, pid_k * K_PER_SPLIT, K, stride_xm, stride_wn, 0, 0,
+    acc, _ = _k_slice_product(x_ptr, w_ptr, rm, rn, m_ok, n_ok, pid_k * K_PER_SPLIT, K, stride_xm, stride_wn, 0,
                               K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, False, EVEN_K)
     tl.store(partial_ptr + pid_k * stride_split + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
     # Every thread's stores land before the counter moves (barrier, then a release at GPU scope);

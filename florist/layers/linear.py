@@ -9,8 +9,7 @@ shard of a checkpoint tensor into place, so the weight loader never needs to kno
     RowParallelLinear         W[out, in] split along in; outputs all-reduced, bias added once;
                               `forward_deferred` may hand back split-K partials for the next norm,
                               `forward_add_norm` runs that norm too (in the product's launch
-                              for few rows); both take a `SwiGLUInput` (an un-activated gate|up
-                              projection) where `takes_swiglu_input` says so
+                              for few rows)
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from torch import nn
 
 from florist.distributed import all_reduce, tp_rank, tp_size
 from florist.kernels import skinny_gemm
-from florist.kernels.activation import SwiGLUInput
 from florist.kernels.split_k import SplitKPartials
 from florist.layers.norm import RMSNorm
 
@@ -128,28 +126,18 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(_divide(input_size, tp_size(), "input size"), output_size, bias, tp_dim=1)
 
-    def takes_swiglu_input(self, x: torch.Tensor) -> bool:
-        """Whether, for the rows of x (the input of the gate/up projection before this layer),
-        this layer's product reads an un-activated `SwiGLUInput` directly (host-side check)."""
-        return self.tp_size == 1 and skinny_gemm.swiglu_input_applies(x, self.weight)
-
-    def forward(self, x: torch.Tensor | SwiGLUInput) -> torch.Tensor:
-        if isinstance(x, SwiGLUInput):
-            x = x.apply()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added on one rank only, so the all-reduce adds it exactly once.
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y) if self.tp_size > 1 else y
 
-    def forward_deferred(self, x: torch.Tensor | SwiGLUInput) -> torch.Tensor | SplitKPartials:
+    def forward_deferred(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """`forward`, except that where the skinny-M kernel splits K its fp32 partials come back
         unreduced (`SplitKPartials`), for the add + RMSNorm that follows to sum
-        (`norms.add_rms_norm`); any other reader calls `.reduce()` for the tensor. A
-        `SwiGLUInput` is activated inside the product where the kernel runs, else first.
+        (`norms.add_rms_norm`); any other reader calls `.reduce()` for the tensor.
         NOTE: at tensor-parallel size > 1 the all-reduce needs the finished product: `forward`."""
         if self.tp_size > 1:
             return self.forward(x)
-        if isinstance(x, SwiGLUInput):
-            return skinny_gemm.skinny_gemm(x.gate_up, self.weight, self.bias, defer_reduce=True, swiglu_input=True)
         return skinny_gemm.skinny_gemm(x, self.weight, self.bias, defer_reduce=True)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +145,7 @@ class RowParallelLinear(LinearBase):
         `norm(self.forward_deferred(x), residual)`. At tensor-parallel size 1, for few rows on CUDA
         (`skinny_gemm.fused_norm_applies`) the split-K product, the residual add and the norm are
         one launch; elsewhere the product and the norm run apart."""
-        if self.tp_size == 1 and not isinstance(x, SwiGLUInput):
+        if self.tp_size == 1:
             fused = skinny_gemm.skinny_gemm_add_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps)
             if fused is not None:
                 return fused

@@ -11,7 +11,6 @@ from torch import nn
 
 from florist.config import ModelConfig
 from florist.engine.batch import RaggedBatch
-from florist.kernels.activation import SwiGLUInput
 from florist.kernels.rotary import qk_norm_rope
 from florist.layers.attention import Attention, AttentionFn
 from florist.layers.embedding import VocabParallelEmbedding
@@ -68,11 +67,7 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> norm(down_proj(swiglu(gate_up_proj(x))), residual): (normed, residual). Where
-        down_proj's product can activate its input itself (`takes_swiglu_input`: rows where the
-        gate/up projection runs in cuBLAS), the SwiGLU is not a launch of its own."""
-        if self.down_proj.takes_swiglu_input(x):
-            return self.down_proj.forward_add_norm(SwiGLUInput(self.gate_up_proj(x)), residual, norm)
+        """-> norm(down_proj(swiglu(gate_up_proj(x))), residual): (normed, residual)."""
         return self.down_proj.forward_add_norm(self.gate_up_proj.forward_swiglu(x), residual, norm)
 
 
