@@ -79,6 +79,62 @@ def check(device):
     nan = out.isnan().cpu()
     assert nan[1, 2:, 3].all() and nan.sum() == 2, nan.nonzero()
     print("decode attention ok")
+
+
+def rope_inputs(g, batch, heads, kv_heads, head_dim, slots, max_len, dtype, device):
+    # Raw (not normed, not rotated) q/k/v as views of one projection, norm weights, a cos|sin
+    # cache, and caches whose rows from each sequence's current position on hold NaN / inf (the
+    # fused launch must write this step's row before it reads it).
+    q_raw, k_cache, v_cache, slot_ids, lens = inputs(g, batch, heads, kv_heads, head_dim, slots, max_len, dtype, "cpu")
+    qkv = (torch.randn(batch, heads + 2 * kv_heads, head_dim, generator=g) * 3).to(dtype)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    weights = [(1 + 0.3 * torch.randn(head_dim, generator=g)).to(dtype) for _ in range(2)]
+    angles = torch.rand(max_len, head_dim // 2, generator=g) * 50
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    for b in range(batch):
+        k_cache[slot_ids[b], int(lens[b]) - 1 :] = float("nan")
+        v_cache[slot_ids[b], int(lens[b]) - 1 :] = float("inf")
+    return [t.to(device) for t in (q, k, v, *weights, cos_sin, k_cache, v_cache, slot_ids, lens)]
+
+
+def check_rope(device):
+    from florist.kernels import rotary
+
+    g = torch.Generator().manual_seed(1)
+    shapes = [(1, 16, 8, 128, 2, 70), (3, 6, 2, 32, 5, 100), (2, 4, 4, 64, 3, 40)]
+    dtypes = (torch.bfloat16, torch.float16) if device == "cuda" else (torch.float16,)
+    eps = 1e-6
+    for (batch, heads, kv_heads, head_dim, slots, max_len), dtype in [(s, d) for s in shapes for d in dtypes]:
+        q, k, v, qw, kw, cos_sin, k_cache, v_cache, slot_ids, lens = rope_inputs(g, batch, heads, kv_heads, head_dim, slots, max_len, dtype, device)
+        scale = 1.0 / math.sqrt(head_dim)
+        positions = lens.long() - 1
+        assert da.qk_norm_rope_applies(q, k, v, qw, kw, cos_sin, k_cache, v_cache) == (device == "cuda")
+        # The reference: norm + rotary, the store, attention over the gathered cache (fp32, CPU).
+        ref_k, ref_v = k_cache.float().cpu().clone(), v_cache.float().cpu().clone()
+        rq, rk = rotary.qk_norm_rope_ref(q.cpu(), k.cpu(), qw.cpu(), kw.cpu(), eps, positions.cpu(), cos_sin.cpu())
+        for b in range(batch):
+            ref_k[slot_ids[b], positions[b]] = rk[b].float()
+            ref_v[slot_ids[b], positions[b]] = v[b].float().cpu()
+        expected = reference(rq, ref_k, ref_v, slot_ids, lens, scale)
+        for splits, min_keys in ((1, 256), (4, 16), (16, 8), (None, 8)):
+            # Two launches: the rotary kernel (which stores k/v), then decode attention.
+            rows = slots * max_len
+            two_k, two_v = k_cache.clone(), v_cache.clone()
+            store = (v, two_k.view(rows, kv_heads, head_dim), two_v.view(rows, kv_heads, head_dim), slot_ids * max_len + positions)
+            q_rot, _ = rotary.qk_norm_rope_triton(q, k, qw, kw, eps, positions, cos_sin, kv_store=store)
+            counters = torch.zeros(64, dtype=torch.int32, device=device)
+            two = da.decode_attention_triton(q_rot, two_k, two_v, slot_ids, lens, scale, splits, counters=counters, min_split_keys=min_keys)
+            # One launch.
+            one_k, one_v = k_cache.clone(), v_cache.clone()
+            one = da.decode_attention_triton(q, one_k, one_v, slot_ids, lens, scale, splits, counters=counters, min_split_keys=min_keys,
+                                             rope=(k, v, qw, kw, eps, cos_sin))
+            assert not counters.any()
+            tag = f"{dtype} {(batch, heads, kv_heads, head_dim)} splits={splits} min_keys={min_keys}"
+            for got, want in ((one_k, two_k), (one_v, two_v)):  # the same rows written, the rest untouched
+                torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{tag} cache: {m}")
+            torch.testing.assert_close(one.cpu(), two.cpu(), rtol=0, atol=0, msg=lambda m: f"{tag} vs two launches: {m}")
+            torch.testing.assert_close(one.float().cpu(), expected, rtol=TOL[dtype], atol=TOL[dtype], msg=lambda m: f"{tag} vs reference: {m}")
+    print("decode attention with qk-norm + rope ok")
 """
 
 
@@ -89,6 +145,24 @@ def test_decode_attention_kernel_interpreted():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", CASES + "\ncheck('cpu')"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "decode attention ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_decode_attention_with_qk_norm_rope_interpreted():
+    """The one-launch QK-norm + rotary + KV store + decode attention against the rotary kernel
+    (with its store) then decode attention: the same cache rows and outputs, bit for bit."""
+    triton = pytest.importorskip("triton")
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip("Triton < 3.9's interpreter cannot take a loop trip count loaded from memory (compiled kernels can)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", CASES + "\ncheck_rope('cpu')"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "qk-norm + rope ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_attention_with_qk_norm_rope_compiled():
+    namespace: dict = {}
+    exec(CASES, namespace)
+    namespace["check_rope"]("cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -190,6 +190,30 @@ def test_errors_say_what_to_do(tied_dir, qwen3_dir):
         florist.Engine.from_pretrained(qwen3_dir, device="cpu", tensor_parallel_size=2)
 
 
+def test_decode_hands_raw_qkv_to_a_fused_attention_backend(tied_dir, monkeypatch):
+    """Where decode attention also runs QK-norm, rotary and the KV store (the Triton kernel on
+    CUDA: `decode_attention_qk_norm_rope`), Qwen3 hands it the raw projections. On CPU a stand-in
+    for the kernel runs the composition it replaces; the tokens are transformers'."""
+    from florist.kernels import decode_attention as da
+
+    calls = []
+
+    def kernel(q, k_cache, v_cache, slots, context_lens, scale, splits=None, counters=None, min_split_keys=None, rope=None):
+        assert rope is not None, "the fused path hands its rotary inputs over"
+        calls.append(q.shape[0])
+        k, v, q_weight, k_weight, eps, cos_sin_cache = rope
+        return da.decode_attention_qk_norm_rope_ref(q, k, v, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slots, context_lens, scale)
+
+    monkeypatch.setattr(da, "qk_norm_rope_applies", lambda *args: True)
+    monkeypatch.setattr(da, "decode_attention_triton", kernel)
+    engine = florist.Engine.from_pretrained(tied_dir, device="cpu", generation=GenerationConfig(decode_attention="triton"))
+    prompts = prompts_for(tied_dir, lens=(5, 17))
+    got = [r.token_ids for r in engine.generate(prompts, max_tokens=8)]
+    assert got == reference(tied_dir, prompts, 8)
+    layers = json.loads((tied_dir / "config.json").read_text())["num_hidden_layers"]
+    assert calls and len(calls) % layers == 0  # every layer of every decode step
+
+
 def test_incremental_detokenizer_deltas_add_up(tied_dir):
     from tokenizers import Tokenizer
 

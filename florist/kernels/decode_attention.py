@@ -34,6 +34,8 @@ import torch.nn.functional as F
 
 from florist.kernels.launch_counters import LaunchCounters
 from florist.kernels.online_softmax import online_softmax_step
+from florist.kernels import rotary
+from florist.kernels.rotary import norm_rope_halves
 
 try:
     import triton
@@ -88,8 +90,49 @@ def decode_attention(q, k_cache, v_cache, slots, context_lens, scale: float, spl
     return decode_attention_ref(q, k_cache, v_cache, slots, context_lens, scale)
 
 
+def decode_attention_qk_norm_rope(q, k, v, q_weight, k_weight, eps: float, cos_sin_cache, k_cache, v_cache, slots, context_lens,
+                                  scale: float) -> torch.Tensor:
+    """Qwen3's decode step from the raw projections: QK-norm and rotary of this step's q [B, Hq,
+    D] and k [B, Hkv, D] at position context_lens - 1, the rotated k and v written into the cache
+    at that position of each slot, then decode attention, in one launch where
+    `qk_norm_rope_applies` (else the rotary kernel, the store and attention apart, or the
+    references on CPU). Same math, step for step, as `rotary.qk_norm_rope(..., kv_store=...)`
+    followed by `decode_attention`."""
+    if qk_norm_rope_applies(q, k, v, q_weight, k_weight, cos_sin_cache, k_cache, v_cache):
+        return decode_attention_triton(q, k_cache, v_cache, slots, context_lens, scale, rope=(k, v, q_weight, k_weight, eps, cos_sin_cache))
+    return decode_attention_qk_norm_rope_ref(q, k, v, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slots, context_lens, scale)
+
+
+def decode_attention_qk_norm_rope_ref(q, k, v, q_weight, k_weight, eps: float, cos_sin_cache, k_cache, v_cache, slots, context_lens,
+                                      scale: float) -> torch.Tensor:
+    """The composition the one launch replaces: `rotary.qk_norm_rope` with its KV store at
+    position context_lens - 1 of each slot, then `decode_attention`."""
+    positions = context_lens.long() - 1
+    rows = k_cache.shape[0] * k_cache.shape[1]
+    flat = k_cache.shape[2:]
+    kv_store = (v, k_cache.view(rows, *flat), v_cache.view(rows, *flat), slots * k_cache.shape[1] + positions)
+    q, _ = rotary.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin_cache, kv_store=kv_store)
+    return decode_attention(q, k_cache, v_cache, slots, context_lens, scale)
+
+
+def qk_norm_rope_applies(q, k, v, q_weight, k_weight, cos_sin_cache, k_cache, v_cache) -> bool:
+    """Host-side checks only (safe in CUDA graphs): the one-launch path takes 16-bit q/k/v like
+    the cache, norm weights of that dtype, a power-of-two head_dim and an fp32 cos|sin cache."""
+    b, hkv, d = k.shape if k.dim() == 3 else (0, 0, 0)
+    return (
+        applies(q, k_cache, v_cache) and q.dtype in (torch.float16, torch.bfloat16) and d == q.shape[-1] and d >= 32 and d & (d - 1) == 0
+        and k.shape == v.shape == (q.shape[0], k_cache.shape[2], d) and k.dtype == v.dtype == q.dtype and k.stride(-1) == v.stride(-1) == 1
+        and q_weight.dtype == k_weight.dtype == q.dtype and q_weight.shape == k_weight.shape == (d,) and q_weight.stride(0) == k_weight.stride(0) == 1
+        and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == d and cos_sin_cache.stride(1) == 1
+        and all(t.device == q.device for t in (k, v, q_weight, k_weight, cos_sin_cache))
+    )
+
+
 def decode_attention_triton(q, k_cache, v_cache, slots, context_lens, scale: float, splits: int | None = None,
-                            counters: torch.Tensor | None = None, min_split_keys: int = MIN_SPLIT_KEYS) -> torch.Tensor:
+                            counters: torch.Tensor | None = None, min_split_keys: int = MIN_SPLIT_KEYS,
+                            rope: tuple | None = None) -> torch.Tensor:
+    """`rope`: (k, v, q_weight, k_weight, eps, cos_sin_cache) for `decode_attention_qk_norm_rope`
+    (q and k then are this step's raw projections, not yet normed, rotated or stored)."""
     b, hq, d = q.shape
     _, max_len, hkv, _ = k_cache.shape
     assert slots.shape == (b,) and context_lens.shape == (b,), f"slots {tuple(slots.shape)} / context_lens {tuple(context_lens.shape)} must be [{b}]"
@@ -111,20 +154,64 @@ def decode_attention_triton(q, k_cache, v_cache, slots, context_lens, scale: flo
     else:  # never touched (no slice merges), but typed as the kernel's merge branch expects
         part_acc = part_ml = torch.empty(1, dtype=torch.float32, device=q.device)
         counters = torch.empty(1, dtype=torch.int32, device=q.device)
+    if rope is None:
+        rope_args = (q, q, q, q, q, 0, 0, 0, 0, 0, 0.0)  # unused
+    else:
+        k_new, v_new, q_weight, k_weight, eps, cos_sin_cache = rope
+        rope_args = (k_new, v_new, q_weight, k_weight, cos_sin_cache, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+                     cos_sin_cache.stride(0), eps)
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, slots, context_lens, out, part_acc, part_ml, counters,
-        q.stride(0), q.stride(1), max_len, hkv, group, d, scale * _LOG2E,
+        q.stride(0), q.stride(1), max_len, hkv, group, d, scale * _LOG2E, *rope_args,
         NUM_SPLITS=splits, MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, BLOCK_H=block_h, BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32, num_warps=4,
+        IEEE=q.dtype == torch.float32, ROPE=rope is not None, num_warps=4,
     )
     return out
 
 
 @_jit
+def _rope_query_and_store_kv(q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, b, h, s, q_heads, g_ok,
+                             length, per_split, base, row_stride, stride_qb, stride_qb_h, stride_kb, stride_kh, stride_vb, stride_vh,
+                             stride_cs, eps, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The fused path (`decode_attention_qk_norm_rope`): this step's token is at position
+    length - 1 of its slot. Returns the group's queries [BLOCK_H, D], QK-normed and rotated as
+    the rotary kernel makes them (`rotary.norm_rope_halves`), and, in the program whose slice
+    holds that position, first writes the token's normed, rotated k and its v into the cache row
+    the loop then reads (the barrier makes the stores visible to the program's own loads)."""
+    HALF: tl.constexpr = BLOCK_D // 2
+    dh = tl.arange(0, HALF)
+    dh_ok = dh < HALF  # head_dim == BLOCK_D on this path (a power of two)
+    pos = length - 1
+    cs = cos_sin_ptr + pos.to(tl.int64) * stride_cs
+    cos = tl.load(cs + dh)
+    sin = tl.load(cs + HALF + dh)
+    src = q_ptr + b.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qb_h + dh[None, :]
+    q_mask = g_ok[:, None] & dh_ok[None, :]
+    q1, q2 = norm_rope_halves(tl.load(src, mask=q_mask, other=0.0), tl.load(src + HALF, mask=q_mask, other=0.0),
+                              q_w_ptr, k_ptr, dh, dh_ok, HALF, cos, sin, eps, True)
+    q1 = tl.where(q_mask, q1, 0.0).to(k_ptr.dtype.element_ty)
+    q2 = tl.where(q_mask, q2, 0.0).to(k_ptr.dtype.element_ty)
+    q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_H, BLOCK_D))  # [q1 | q2] along D
+    if s == pos // per_split:
+        one = tl.arange(0, 1)
+        k_src = k_new_ptr + b.to(tl.int64) * stride_kb + h * stride_kh + one[:, None] * 0 + dh[None, :]
+        k1, k2 = norm_rope_halves(tl.load(k_src), tl.load(k_src + HALF), k_w_ptr, k_ptr, dh, dh_ok, HALF, cos, sin, eps, True)
+        row = base + pos.to(tl.int64) * row_stride + one[:, None] * 0 + dh[None, :]
+        tl.store(k_ptr + row, k1.to(k_ptr.dtype.element_ty))
+        tl.store(k_ptr + row + HALF, k2.to(k_ptr.dtype.element_ty))
+        v_src = v_new_ptr + b.to(tl.int64) * stride_vb + h * stride_vh + one[:, None] * 0 + dh[None, :]
+        tl.store(v_ptr + row, tl.load(v_src))
+        tl.store(v_ptr + row + HALF, tl.load(v_src + HALF))
+        tl.debug_barrier()
+    return q
+
+
+@_jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr, counter_ptr,
                    stride_qb, stride_qh, max_len, num_kv_heads, group, head_dim, scale_log2,
+                   k_new_ptr, v_new_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, stride_kb, stride_kh, stride_vb, stride_vh, stride_cs, eps,
                    NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_D: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lens_ptr + b)
     # Slices in use for this sequence: each takes >= MIN_SPLIT_KEYS keys, so a short context
@@ -137,13 +224,18 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, m
         d = tl.arange(0, BLOCK_D)
         g_ok, d_ok = g < group, d < head_dim
         q_heads = h * group + g
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-
         per_split = tl.cdiv(tl.cdiv(length, active), BLOCK_N) * BLOCK_N
         start = s * per_split
         end = tl.minimum(start + per_split, length)
         row_stride = num_kv_heads * head_dim  # one position of the cache: Hkv x D values
         base = tl.load(slots_ptr + b).to(tl.int64) * max_len * row_stride + h * head_dim
+        if ROPE:
+            q = _rope_query_and_store_kv(q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, b, h, s, q_heads, g_ok,
+                                         length, per_split, base, row_stride, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb,
+                                         stride_vh, stride_cs, eps, BLOCK_H, BLOCK_D)
+        else:
+            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
+                        mask=g_ok[:, None] & d_ok[None, :], other=0.0)
 
         m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         l = tl.zeros((BLOCK_H,), dtype=tl.float32)

@@ -193,22 +193,34 @@ def _rope_heads(x_ptr, out_ptr, w_ptr, token, num_heads, stride_t, stride_h, cos
     d_ok = d < half_dim
     mask = (heads < num_heads)[:, None] & d_ok[None, :]
     src = x_ptr + token.to(tl.int64) * stride_t + heads[:, None] * stride_h + d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half_dim, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + half_dim, mask=mask, other=0.0)
+    out1, out2 = norm_rope_halves(x1, x2, w_ptr, out_ptr, d, d_ok, half_dim, cos, sin, eps, NORM)
+    _store_halves(out_ptr + token.to(tl.int64) * num_heads * (2 * half_dim), heads, d, half_dim, out1, out2, mask)
+    return out1, out2, mask
+
+
+@_jit
+def norm_rope_halves(x1, x2, w_ptr, out_ptr, d, d_ok, half_dim, cos, sin, eps, NORM: tl.constexpr):
+    """(QK-norm and) rotary of [heads, D/2] tiles x1, x2 (the two halves of each head, as loaded:
+    x's dtype) -> the rotated halves in fp32, each value already rounded as out_ptr's dtype
+    stores it. Decode attention (florist/kernels/decode_attention.py) runs this same code."""
     if NORM:
         # Same rounding steps as rms_norm_ref: normalised value to x's dtype, times the weight,
         # rounded to the output dtype; the rotation then runs in fp32 on those rounded values.
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half_dim) + eps)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * half_dim) + eps)
         w1 = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + half_dim + d, mask=d_ok, other=0.0).to(tl.float32)
-        x1 = (x1 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * w1[None, :]
-        x2 = (x2 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * w2[None, :]
-        x1 = x1.to(out_ptr.dtype.element_ty).to(tl.float32)
-        x2 = x2.to(out_ptr.dtype.element_ty).to(tl.float32)
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    _store_halves(out_ptr + token.to(tl.int64) * num_heads * (2 * half_dim), heads, d, half_dim, out1, out2, mask)
-    return out1, out2, mask
+        f1 = (f1 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w1[None, :]
+        f2 = (f2 * rstd[:, None]).to(x2.dtype).to(tl.float32) * w2[None, :]
+        f1 = f1.to(out_ptr.dtype.element_ty).to(tl.float32)
+        f2 = f2.to(out_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    out1 = f1 * cos[None, :] - f2 * sin[None, :]
+    out2 = f2 * cos[None, :] + f1 * sin[None, :]
+    return out1, out2
 
 
 @_jit

@@ -233,6 +233,10 @@ class Attention(nn.Module):
         """Where k/v would be written for later steps: nowhere (no cache; see CachedAttention)."""
         return None
 
+    def decode_with_qk_norm_rope(self, q, k, v, batch: RaggedBatch, q_norm, k_norm, cos_sin_cache) -> None:
+        """A decode step from raw q/k/v in one launch: never here (see CachedAttention)."""
+        return None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch, kv_stored: bool = False) -> torch.Tensor:
         """q: [T, Hq*D] or [T, Hq, D] -> [T, Hq*D]. (`kv_stored`: for CachedAttention's call; no cache here.)"""
         t = q.shape[0]

@@ -21,12 +21,16 @@ Decode backends form a small registry like the ragged ones, chosen once at const
              it runs as two kernels (split-KV, then combine).
     "triton" florist's one-launch split-context kernel (florist/kernels/decode_attention.py), the
              CUDA default for fp16/bf16: ahead of "flash" at every batch (1-32) and context
-             (128-4096) measured (bench/kernels.py --decode, docs/benchmarks.md).
+             (128-4096) measured (bench/kernels.py --decode, docs/benchmarks.md). For Qwen3 it
+             also takes the step's raw q/k/v (`decode_with_qk_norm_rope`): QK-norm, rotary and
+             the k/v store run in the attention launch, not in a rotary launch before it
+             (FLORIST_DECODE_FUSED_ROPE=0 keeps them apart, for A/B runs).
 All only queue device work (no host reads): decode steps are captured in CUDA graphs.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -41,6 +45,7 @@ from florist.layers.attention import AttentionFn
 # (q [B, Hq, D], k_cache, v_cache [S, L, Hkv, D], batch, scale) -> out [B, Hq, D]
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, GenerationBatch, float], torch.Tensor]
 _DECODE_BACKENDS: dict[str, Callable[[], DecodeFn]] = {}
+FUSED_ROPE = os.environ.get("FLORIST_DECODE_FUSED_ROPE", "1") != "0"
 
 
 def register_decode_backend(name: str):
@@ -82,6 +87,7 @@ def _triton_decode() -> DecodeFn:
     def attn(q, k_cache, v_cache, batch: GenerationBatch, scale: float) -> torch.Tensor:
         return decode_attention.decode_attention(q, k_cache, v_cache, batch.slots, batch.context_lens, scale)
 
+    attn.fuses_qk_norm_rope = FUSED_ROPE  # CachedAttention.decode_with_qk_norm_rope may call the kernel's fused path
     return attn
 
 
@@ -130,6 +136,20 @@ class CachedAttention(nn.Module):
         rows = self.k_cache.shape[0] * self.k_cache.shape[1]
         flat = (self.num_kv_heads, self.head_dim)
         return v, self.k_cache.view(rows, *flat), self.v_cache.view(rows, *flat), batch.slot_mapping
+
+    def decode_with_qk_norm_rope(self, q, k, v, batch: GenerationBatch, q_norm, k_norm, cos_sin_cache) -> torch.Tensor | None:
+        """A decode step from the raw projections q [B, Hq, D], k, v [B, Hkv, D]: QK-norm and
+        rotary at each sequence's position, the k/v store and attention in one launch
+        (decode_attention.decode_attention_qk_norm_rope) -> [B, Hq*D]; None where that does not
+        apply (prefill, another backend, the checks of `qk_norm_rope_applies`), and the caller
+        runs the rotary kernel and `forward`."""
+        if not (batch.decode and getattr(self.decode_backend, "fuses_qk_norm_rope", False) and q_norm.eps == k_norm.eps):
+            return None
+        if not decode_attention.qk_norm_rope_applies(q, k, v, q_norm.weight, k_norm.weight, cos_sin_cache, self.k_cache, self.v_cache):
+            return None
+        out = decode_attention.decode_attention_qk_norm_rope(q, k, v, q_norm.weight, k_norm.weight, q_norm.eps, cos_sin_cache,
+                                                             self.k_cache, self.v_cache, batch.slots, batch.context_lens, self.scale)
+        return out.reshape(q.shape[0], -1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: GenerationBatch, kv_stored: bool = False) -> torch.Tensor:
         """q: [T, Hq*D] or [T, Hq, D] -> [T, Hq*D]; writes this step's k/v into the cache unless
