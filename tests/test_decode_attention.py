@@ -138,38 +138,28 @@ def check_rope(device):
 """
 
 
-def test_decode_attention_kernel_interpreted():
+# check: the kernel against its reference; check_rope: the one launch with QK-norm + rotary + the
+# KV store against the rotary kernel (with its store) then decode attention, bit for bit (the same
+# cache rows and outputs), and against the references.
+CHECKS = {"check": "decode attention ok", "check_rope": "decode attention with qk-norm + rope ok"}
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_decode_attention_interpreted(check):
     triton = pytest.importorskip("triton")
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
         pytest.skip("Triton < 3.9's interpreter cannot take a loop trip count loaded from memory (compiled kernels can)")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", CASES + "\ncheck('cpu')"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "decode attention ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
-
-
-def test_decode_attention_with_qk_norm_rope_interpreted():
-    """The one-launch QK-norm + rotary + KV store + decode attention against the rotary kernel
-    (with its store) then decode attention: the same cache rows and outputs, bit for bit."""
-    triton = pytest.importorskip("triton")
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-        pytest.skip("Triton < 3.9's interpreter cannot take a loop trip count loaded from memory (compiled kernels can)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", CASES + "\ncheck_rope('cpu')"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "qk-norm + rope ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-c", CASES + f"\n{check}('cpu')"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and CHECKS[check] in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_decode_attention_with_qk_norm_rope_compiled():
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_decode_attention_compiled(check):
     namespace: dict = {}
     exec(CASES, namespace)
-    namespace["check_rope"]("cuda")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_decode_attention_kernel_compiled():
-    namespace: dict = {}
-    exec(CASES, namespace)
-    namespace["check"]("cuda")
+    namespace[check]("cuda")
 
 
 def test_decode_attention_takes_the_reference_on_cpu():
