@@ -34,35 +34,32 @@ class Qwen3Attention(nn.Module):
         self.rotary = rotary
         self.attn = attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.causal, backend)
 
-    def _qkv(self, x: torch.Tensor, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D]: views into one qkv projection."""
+        t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return self._rope(*self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1), batch)
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        return (q.reshape(t, self.num_heads, self.head_dim), k.reshape(t, self.num_kv_heads, self.head_dim),
+                v.reshape(t, self.num_kv_heads, self.head_dim))
 
-    def _rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t = q.shape[0]
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+    def _qkv(self, x: torch.Tensor, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._norm_rope(*self._project(x), batch)
+
+    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # QK-norm over head_dim and rotary in one kernel, reading q and k in place inside qkv;
         # with a KV cache (generation) the same launch writes the rotated k and v into it.
-        q, k = qk_norm_rope(
-            q.reshape(t, self.num_heads, self.head_dim), k.reshape(t, self.num_kv_heads, self.head_dim),
-            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.positions, self.rotary.cos_sin_cache,
-            kv_store=self.attn.kv_store(v, batch),
-        )
+        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.positions, self.rotary.cos_sin_cache,
+                            kv_store=self.attn.kv_store(v, batch))
         return q, k, v
 
     def forward(self, x: torch.Tensor, batch: RaggedBatch, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """-> norm(o_proj(attention(x)), residual): (normed, residual). A decode step where the
-        attention backend can take the raw q/k/v runs QK-norm, rotary, the KV store and attention
-        in one launch (`decode_with_qk_norm_rope`)."""
-        t = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        out = self.attn.decode_with_qk_norm_rope(
-            q.reshape(t, self.num_heads, self.head_dim), k.reshape(t, self.num_kv_heads, self.head_dim),
-            v.reshape(t, self.num_kv_heads, self.head_dim), batch, self.q_norm, self.k_norm, self.rotary.cos_sin_cache,
-        )
+        attention backend takes the raw q/k/v runs QK-norm, rotary, the KV store and attention in
+        one launch (`decode_with_qk_norm_rope`)."""
+        q, k, v = self._project(x)
+        out = self.attn.decode_with_qk_norm_rope(q, k, v, batch, self.q_norm, self.k_norm, self.rotary.cos_sin_cache)
         if out is None:
-            out = self.attn(*self._rope(q, k, v, batch), batch, kv_stored=True)
+            out = self.attn(*self._norm_rope(q, k, v, batch), batch, kv_stored=True)
         return self.o_proj.forward_add_norm(out, residual, norm)
 
     def forward_last(self, x: torch.Tensor, batch: RaggedBatch, last: torch.Tensor, residual: torch.Tensor,
