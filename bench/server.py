@@ -16,6 +16,9 @@ unary stub, as a user writes it; it costs less per call than grpc.aio) and flori
 InferenceClient (what the gateway uses). The client is not under test; both rows are printed,
 and a Health round trip with each (it never touches the engine) shows the gRPC floor. The server
 runs on uvloop when it is installed (the table's last line says), the bench's clients on asyncio.
+The server runs with --timing-metadata, so each sync Embed and Health round trip is also cut in
+three by its handler's entry and exit (same host, same monotonic clock): client to handler, in
+the handler, handler to client.
 
 Outputs are checked before timing (cosine >= 0.999 against the embedded API). The server is run
 once per --spin-ms value (how long it polls a launched batch before waiting in a thread), so
@@ -57,7 +60,7 @@ class ServerProcess:
 
     def __init__(self, model: Path, device: str, dtype: str | None, max_batch_tokens: int, spin_ms: float):
         cmd = [sys.executable, "-m", "florist.server", "--model", str(model), "--port", "0", "--device", device,
-               "--max-batch-tokens", str(max_batch_tokens), "--spin-ms", str(spin_ms), "--metrics-port", "0"]
+               "--max-batch-tokens", str(max_batch_tokens), "--spin-ms", str(spin_ms), "--metrics-port", "0", "--timing-metadata"]
         if dtype:
             cmd += ["--dtype", dtype]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -240,8 +243,29 @@ def sync_client_latency(address: str, w, metrics_url: str | None = None) -> dict
         before = scrape(metrics_url)
         latency = times_ms(embed, w.latency_n, 0)
         inside = in_server_ms(before, scrape(metrics_url))
+        request = proto.EmbedRequest(tokens=wire.encode_tokens([w.latency_seq], proto.TokenBatch))
         return {"latency_sync": latency, "inside_sync": inside,
-                "health_sync": times_ms(lambda: rpc["Health"](proto.HealthRequest(), timeout=600), w.latency_n, w.warmup)}
+                "health_sync": times_ms(lambda: rpc["Health"](proto.HealthRequest(), timeout=600), w.latency_n, w.warmup),
+                "split_embed": split_ms(rpc["Embed"], request, w.latency_n, w.warmup),
+                "split_health": split_ms(rpc["Health"], proto.HealthRequest(), w.latency_n, w.warmup)}
+
+
+def split_ms(method, request, n: int, warmup: int) -> dict[str, list[float]]:
+    """Round trips cut in three by the server's handler entry and exit (its trailing metadata
+    x-florist-timing, on the same monotonic clock as this process): client to handler, in the
+    handler, handler to client (ms each)."""
+    from florist.server.service import TIMING_KEY
+
+    out: dict[str, list[float]] = {"total": [], "to_handler": [], "in_handler": [], "to_client": []}
+    for k in range(warmup + n):
+        sent = time.monotonic_ns()
+        _, call = method.with_call(request, timeout=600)
+        received = time.monotonic_ns()
+        entered, left = map(int, dict(call.trailing_metadata())[TIMING_KEY].split())
+        if k >= warmup:
+            for key, ns in (("total", received - sent), ("to_handler", entered - sent), ("in_handler", left - entered), ("to_client", received - left)):
+                out[key].append(ns / 1e6)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,6 +364,12 @@ def report(info, w, d: dict, served: dict) -> None:
         row = f"{f'Health round trip p50, ms, {client} (the gRPC floor)':<66}{'-':>14}"
         for res in served.values():
             row += f"{percentiles(res[key])['p50']:>22.3f}{'':>8}"
+        print(row)
+    for key, what in (("split_embed", "Embed"), ("split_health", "Health")):
+        row = f"{f'{what} p50 split, ms: client->handler / handler / handler->client':<66}{'-':>14}"
+        for res in served.values():
+            parts = [statistics.median(res[key][part]) for part in ("to_handler", "in_handler", "to_client")]
+            row += f"{' / '.join(f'{v:.3f}' for v in parts):>22}{'':>8}"
         print(row)
     for key, label in (("embed_ms", "inside the server per Embed (mean), ms, sync client"), ("step_ms", "its batch, launch to collection (mean), ms")):
         row = f"{label:<66}{'-':>14}"

@@ -147,6 +147,28 @@ def test_info_health_and_metrics(embed_server, default_engine):
         assert name in text, name
 
 
+def test_timing_metadata_only_when_asked(embed_server, default_engine):
+    """--timing-metadata: Embed and Health reply with the handler's entry and exit on the
+    monotonic clock, inside the client's own send / receive times; off by default."""
+    from florist.server import wire
+    from florist.server.client import CHANNEL_OPTIONS
+    from florist.server.service import TIMING_KEY
+
+    request = proto.EmbedRequest(tokens=wire.encode_tokens([np.array([101, 7592, 102], dtype=np.int32)], proto.TokenBatch))
+    with grpc.insecure_channel(embed_server.address, options=CHANNEL_OPTIONS) as channel:
+        _, call = proto.method_callables(channel)["Embed"].with_call(request, timeout=60)
+        assert TIMING_KEY not in dict(call.trailing_metadata() or ())
+    with ServerThread(default_engine, ServerConfig(port=0, timing_metadata=True)) as srv:
+        with grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as channel:
+            rpc = proto.method_callables(channel)
+            for method, req in (("Embed", request), ("Health", proto.HealthRequest())):
+                sent = time.monotonic_ns()
+                _, call = rpc[method].with_call(req, timeout=60)
+                received = time.monotonic_ns()
+                entered, left = map(int, dict(call.trailing_metadata())[TIMING_KEY].split())
+                assert sent <= entered <= left <= received, (method, sent, entered, left, received)
+
+
 def test_metrics_count_like_prometheus_histograms():
     prometheus_client = pytest.importorskip("prometheus_client")
     from florist.server.metrics import ServerMetrics

@@ -16,7 +16,8 @@ def test_server_bench_smoke():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for row in ("8 x 64 tokens, rounds sent at once, emb/s", "64-token requests, stream of 16, 8 in flight, emb/s",
                 "8 x 64-token requests, stream of 6, 4 in flight, emb/s", "32-token batch-1 round trip p99, ms, sync gRPC client",
-                "32-token batch-1 round trip p99, ms, grpc.aio client", "Health round trip p50, ms, sync gRPC client"):
+                "32-token batch-1 round trip p99, ms, grpc.aio client", "Health round trip p50, ms, sync gRPC client",
+                "Embed p50 split, ms: client->handler / handler / handler->client", "Health p50 split, ms: client->handler / handler / handler->client"):
         assert row in out.stdout, (row, out.stdout[-3000:])
     cosine = re.search(r"min cosine, server vs embedded API: ([0-9.]+)", out.stdout)
     assert cosine and float(cosine.group(1)) >= 0.999

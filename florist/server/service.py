@@ -79,18 +79,26 @@ class InferenceService:
             yield chunk
 
     async def Health(self, request, context):
+        entered = time.monotonic_ns()
         status = proto.HealthResponse.SERVING if self.serving else proto.HealthResponse.NOT_SERVING
         s = self.batcher.scheduler
-        return proto.HealthResponse(status=status, pending_sequences=s.pending_seqs, pending_tokens=s.pending_tokens, batches_in_flight=len(self.batcher.in_flight))
+        response = proto.HealthResponse(status=status, pending_sequences=s.pending_seqs, pending_tokens=s.pending_tokens, batches_in_flight=len(self.batcher.in_flight))
+        if self.config.timing_metadata:
+            _set_timing(context, entered)
+        return response
 
     async def Info(self, request, context):
         return self._info_response
 
     # -- implementation ------------------------------------------------------------------------
     async def _handle(self, method: str, impl, request, context):
+        entered = time.monotonic_ns() if self.config.timing_metadata else 0
         started, code = time.perf_counter(), "OK"
         try:
-            return await impl(request, context)
+            response = await impl(request, context)
+            if entered:
+                _set_timing(context, entered)
+            return response
         except _Abort as e:
             code = e.code.name
             await context.abort(e.code, e.message)
@@ -164,6 +172,14 @@ class InferenceService:
             raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
         except RuntimeError as e:
             raise _Abort(grpc.StatusCode.INTERNAL, str(e)) from None
+
+
+TIMING_KEY = "x-florist-timing"
+
+
+def _set_timing(context, entered_ns: int) -> None:
+    """Trailing metadata "ENTRY EXIT": the handler's entry and exit, time.monotonic_ns()."""
+    context.set_trailing_metadata(((TIMING_KEY, f"{entered_ns} {time.monotonic_ns()}"),))
 
 
 class RunningServer:
