@@ -32,10 +32,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from florist.kernels import rotary
 from florist.kernels.launch_counters import LaunchCounters
 from florist.kernels.online_softmax import online_softmax_step
-from florist.kernels import rotary
-from florist.kernels.rotary import norm_rope_halves
 
 try:
     import triton
@@ -118,7 +117,7 @@ def decode_attention_qk_norm_rope_ref(q, k, v, q_weight, k_weight, eps: float, c
 def qk_norm_rope_applies(q, k, v, q_weight, k_weight, cos_sin_cache, k_cache, v_cache) -> bool:
     """Host-side checks only (safe in CUDA graphs): the one-launch path takes 16-bit q/k/v like
     the cache, norm weights of that dtype, a power-of-two head_dim and an fp32 cos|sin cache."""
-    b, hkv, d = k.shape if k.dim() == 3 else (0, 0, 0)
+    d = k.shape[-1] if k.dim() == 3 else 0
     return (
         applies(q, k_cache, v_cache) and q.dtype in (torch.float16, torch.bfloat16) and d == q.shape[-1] and d >= 32 and d & (d - 1) == 0
         and k.shape == v.shape == (q.shape[0], k_cache.shape[2], d) and k.dtype == v.dtype == q.dtype and k.stride(-1) == v.stride(-1) == 1
@@ -171,7 +170,7 @@ def decode_attention_triton(q, k_cache, v_cache, slots, context_lens, scale: flo
 
 @_jit
 def _rope_query_and_store_kv(q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, b, h, s, q_heads, g_ok,
-                             length, per_split, base, row_stride, stride_qb, stride_qb_h, stride_kb, stride_kh, stride_vb, stride_vh,
+                             length, per_split, base, row_stride, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                              stride_cs, eps, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """The fused path (`decode_attention_qk_norm_rope`): this step's token is at position
     length - 1 of its slot. Returns the group's queries [BLOCK_H, D], QK-normed and rotated as
@@ -185,21 +184,21 @@ def _rope_query_and_store_kv(q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, q_w_ptr,
     cs = cos_sin_ptr + pos.to(tl.int64) * stride_cs
     cos = tl.load(cs + dh)
     sin = tl.load(cs + HALF + dh)
-    src = q_ptr + b.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qb_h + dh[None, :]
+    src = q_ptr + b.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + dh[None, :]
     q_mask = g_ok[:, None] & dh_ok[None, :]
-    q1, q2 = norm_rope_halves(tl.load(src, mask=q_mask, other=0.0), tl.load(src + HALF, mask=q_mask, other=0.0),
+    q1, q2 = rotary.norm_rope_halves(tl.load(src, mask=q_mask, other=0.0), tl.load(src + HALF, mask=q_mask, other=0.0),
                               q_w_ptr, k_ptr, dh, dh_ok, HALF, cos, sin, eps, True)
     q1 = tl.where(q_mask, q1, 0.0).to(k_ptr.dtype.element_ty)
     q2 = tl.where(q_mask, q2, 0.0).to(k_ptr.dtype.element_ty)
     q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_H, BLOCK_D))  # [q1 | q2] along D
     if s == pos // per_split:
-        one = tl.arange(0, 1)
-        k_src = k_new_ptr + b.to(tl.int64) * stride_kb + h * stride_kh + one[:, None] * 0 + dh[None, :]
-        k1, k2 = norm_rope_halves(tl.load(k_src), tl.load(k_src + HALF), k_w_ptr, k_ptr, dh, dh_ok, HALF, cos, sin, eps, True)
-        row = base + pos.to(tl.int64) * row_stride + one[:, None] * 0 + dh[None, :]
+        cols = dh[None, :]  # this kv head's one row, as a [1, D/2] tile per half
+        k_src = k_new_ptr + b.to(tl.int64) * stride_kb + h * stride_kh + cols
+        k1, k2 = rotary.norm_rope_halves(tl.load(k_src), tl.load(k_src + HALF), k_w_ptr, k_ptr, dh, dh_ok, HALF, cos, sin, eps, True)
+        row = base + pos.to(tl.int64) * row_stride + cols
         tl.store(k_ptr + row, k1.to(k_ptr.dtype.element_ty))
         tl.store(k_ptr + row + HALF, k2.to(k_ptr.dtype.element_ty))
-        v_src = v_new_ptr + b.to(tl.int64) * stride_vb + h * stride_vh + one[:, None] * 0 + dh[None, :]
+        v_src = v_new_ptr + b.to(tl.int64) * stride_vb + h * stride_vh + cols
         tl.store(v_ptr + row, tl.load(v_src))
         tl.store(v_ptr + row + HALF, tl.load(v_src + HALF))
         tl.debug_barrier()

@@ -79,11 +79,11 @@ class InferenceService:
             yield chunk
 
     async def Health(self, request, context):
-        entered = time.monotonic_ns()
+        entered = time.monotonic_ns() if self.config.timing_metadata else 0
         status = proto.HealthResponse.SERVING if self.serving else proto.HealthResponse.NOT_SERVING
         s = self.batcher.scheduler
         response = proto.HealthResponse(status=status, pending_sequences=s.pending_seqs, pending_tokens=s.pending_tokens, batches_in_flight=len(self.batcher.in_flight))
-        if self.config.timing_metadata:
+        if entered:
             _set_timing(context, entered)
         return response
 
