@@ -14,6 +14,12 @@ do, so weights come from HBM and not from the 50 MB L2. Time per call = replay t
 The floor is the weight bytes / 4.2 TB/s.
 
     python bench/gemm.py [--m 1 16 64 128 256 512] [--sweep] [--json OUT]
+
+--wide times the many-row products instead (florist/kernels/wide_gemm.py, 512-16,384 rows: an
+embedding batch's prefill): cuBLAS (+ the SwiGLU kernel) against the persistent TMA kernel,
+SwiGLU fused for gate/up, plain for the others; with --sweep, a list of its configurations.
+
+    python bench/gemm.py --wide [--wide-m 512 1024 4096 16384] [--sweep]
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from florist.kernels import activation, skinny_gemm  # noqa: E402
+from florist.kernels import activation, skinny_gemm, wide_gemm  # noqa: E402
 from florist.kernels.skinny_gemm import GemmConfig  # noqa: E402
 from kernels import time_in_graph  # noqa: E402  (bench/kernels.py)
 
@@ -77,6 +83,67 @@ def sweep_configs(m: int, silu_mul: bool) -> list[GemmConfig]:
     return out
 
 
+# name, N (weight rows), K, SwiGLU fused: Qwen3-0.6B's products
+WIDE_SHAPES = [("qwen3 qkv", 4096, 1024, False), ("qwen3 o", 1024, 2048, False), ("qwen3 gate_up+silu", 6144, 1024, True),
+               ("qwen3 down", 1024, 3072, False)]
+
+
+def wide_sweep(silu: bool) -> list[wide_gemm.WideConfig]:
+    """(BM, BN, BK, warps, stages) that fit the SM's shared memory; for SwiGLU BN is per half."""
+    w = wide_gemm.WideConfig
+    if silu:
+        return [w(128, 128, 64, 8, 3), w(128, 128, 64, 8, 4), w(128, 64, 64, 4, 4), w(128, 64, 64, 8, 4), w(64, 128, 64, 4, 4)]
+    return [w(128, 256, 64, 8, 3), w(128, 128, 64, 8, 4), w(128, 128, 64, 4, 4), w(256, 128, 64, 8, 3), w(128, 128, 128, 8, 3)]
+
+
+def wide_main(args) -> int:
+    dtype, dev = torch.bfloat16, "cuda"
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
+    print(f"{'shape':20s} {'M':>6s} {'cublas':>8s} {'picked':>8s} {'best':>8s}  TFLOP/s cublas / picked / best; best config (us per call)", flush=True)
+    rows = []
+    for name, n, k, silu in WIDE_SHAPES:
+        copies = max(2, min(16, -(-256 * 2**20 // (n * k * 2))))  # > 200 MB of weights: they come from HBM
+        weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.05 for _ in range(copies)]
+        for m in args.wide_m:
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            flops = 2 * m * n * k
+            epilogue = wide_gemm.SWIGLU if silu else wide_gemm.NONE
+
+            def cublas(i):
+                y = F.linear(x, weights[i])
+                return activation.silu_and_mul(y) if silu else y
+
+            t_cublas = time_graph(cublas, copies)
+            picked = wide_gemm.pick(m) if silu else None
+            t_picked = None
+            if picked is not None:
+                got, ref = wide_gemm.wide_gemm(x, weights[0], picked, epilogue).float(), cublas(0).float()
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                assert err < 2e-2, f"{name} M={m} {picked}: relative error {err}"
+                t_picked = time_graph(lambda i: wide_gemm.wide_gemm(x, weights[i], picked, epilogue), copies)
+            best, best_cfg = None, None
+            if args.sweep:
+                for cfg in wide_sweep(silu):
+                    try:
+                        t = time_graph(lambda i: wide_gemm.wide_gemm(x, weights[i], cfg, epilogue), copies, replays=8)
+                    except Exception as exc:  # out of resources and the like: not a candidate
+                        print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
+                        continue
+                    if best is None or t < best:
+                        best, best_cfg = t, cfg
+            rows.append({"shape": name, "m": m, "n": n, "k": k, "cublas_us": t_cublas, "picked_us": t_picked,
+                         "picked": picked.__dict__ if picked else None, "best_us": best, "best": best_cfg.__dict__ if best_cfg else None})
+            fmt = lambda v: f"{v:8.1f}" if v is not None else f"{'-':>8s}"  # noqa: E731
+            tf = lambda v: f"{flops / v / 1e6:4.0f}" if v else "   -"  # noqa: E731
+            cfg_s = "-" if best_cfg is None else f"m{best_cfg.block_m} n{best_cfg.block_n} k{best_cfg.block_k} w{best_cfg.num_warps} st{best_cfg.num_stages}"
+            print(f"{name:20s} {m:6d} {fmt(t_cublas)} {fmt(t_picked)} {fmt(best)}  {tf(t_cublas)} / {tf(t_picked)} / {tf(best)}; {cfg_s}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 32, 64, 128, 192, 256, 512])
@@ -84,7 +151,11 @@ def main() -> int:
     ap.add_argument("--sweep-m", type=int, nargs="+", default=[1, 16, 64, 128, 256], help="row counts the sweep covers")
     ap.add_argument("--shapes", default="", help="comma list of shape-name prefixes (default: all)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--wide", action="store_true", help="time the many-row products (wide_gemm) instead")
+    ap.add_argument("--wide-m", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384], help="row counts for --wide")
     args = ap.parse_args()
+    if args.wide:
+        return wide_main(args)
     dtype, dev = torch.bfloat16, "cuda"
     prefixes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     rows = []

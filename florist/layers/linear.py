@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from florist.distributed import all_reduce, tp_rank, tp_size
-from florist.kernels import skinny_gemm
+from florist.kernels import skinny_gemm, wide_gemm
 from florist.kernels.split_k import SplitKPartials
 from florist.layers.norm import RMSNorm
 
@@ -99,9 +99,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for a [gate | up] layer: [T, I] (each rank's I / tp). One fused kernel
-        for few rows on CUDA (the [T, 2I] projection is never written), else matmul + SwiGLU."""
+        on CUDA for few rows (skinny_gemm) and, on Hopper, for many (wide_gemm): the [T, 2I]
+        projection is never written; else matmul + SwiGLU."""
         if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
             raise ValueError(f"SwiGLU needs two equal parts (gate, up); this layer has {self.output_sizes}")
+        if self.bias is None and wide_gemm.applies(x, self.weight):
+            config = wide_gemm.pick(x.shape[0], wide_gemm.SWIGLU)
+            if config is not None:  # many rows: SwiGLU in the product's epilogue
+                return wide_gemm.wide_gemm(x, self.weight, config, wide_gemm.SWIGLU)
         return skinny_gemm.skinny_gemm(x, self.weight, self.bias, silu_mul=True)
 
 

@@ -1,0 +1,184 @@
+"""Matrix products with many rows (prefill of hundreds to thousands of tokens), SwiGLU fused.
+
+At 100 x 512 tokens an engine step is up to 16,384 rows and each product is compute-bound:
+cuBLAS runs at ~660-700 TFLOP/s there. Beside the products, each elementwise op after them costs
+a pass over their output: SwiGLU reads the [T, 2I] gate/up projection and writes [T, I] (6.0 ms
+of 89 per 100 x 512, docs/benchmarks.md). This kernel makes silu(gate) * up in the product's
+epilogue, while the tile is in registers, so neither that pass nor the [T, 2I] tensor exists.
+
+A persistent Hopper (sm_90+) product: one program per SM walks the output tiles (GROUP row
+blocks sweep the columns together, so a weight tile is reused from L2); operands come in by TMA
+(tensor descriptors), the accumulator is fp32.
+
+    w = | gate (I) | up (I) |  (MergedColumnParallelLinear's [2I, K]), viewed as [2, I, K]:
+    one TMA box [2, BN, BK] brings the gate rows n.. and the up rows I+n.. of a K block, and
+    they sit in shared memory as one [2 BN, BK] tile, so ONE tensor-core product per K block
+    fills a [BM, 2 BN] accumulator (two accumulators and two products per block ran at ~530
+    TFLOP/s against ~700 for one). The epilogue splits it into gate and up and stores
+    silu(gate) * up, each step rounded as cuBLAS + `activation.silu_and_mul` round it (the
+    product to the activation dtype, silu to it, then the multiply).
+
+`EPILOGUE` NONE (plain y = x @ w.T) is there for measurements: it does not beat cuBLAS on
+Qwen3's qkv, o or down at 512-16,384 rows (bench/gemm.py --wide --sweep), so the model runs only
+the SwiGLU form, where `pick` chooses it, and cuBLAS + `silu_and_mul` elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references are the whole implementation
+    triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # an older Triton: no host-side tensor descriptors, no wide kernel
+    TensorDescriptor = None
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+NONE, SWIGLU = 0, 1
+_DTYPES = (torch.float16, torch.bfloat16)
+# FLORIST_WIDE_GEMM=0 keeps cuBLAS and the separate kernels (for side-by-side measurements).
+ENABLED = os.environ.get("FLORIST_WIDE_GEMM", "1") != "0"
+
+
+@dataclass(frozen=True)
+class WideConfig:
+    block_m: int
+    block_n: int  # output columns per tile (SwiGLU: of the output, so the accumulator is 2 x block_n wide)
+    block_k: int
+    num_warps: int = 8
+    num_stages: int = 3
+    group: int = 8
+
+
+# Fewest rows the kernel takes: at 512 rows cuBLAS + silu_and_mul is as fast (bench/gemm.py --wide).
+MIN_ROWS = 1024
+
+
+def pick(m: int, epilogue: int = SWIGLU) -> WideConfig | None:
+    """The configuration for an [m, K] x [2I, K].T product with SwiGLU, or None where cuBLAS +
+    `silu_and_mul` is as fast. `bench/gemm.py --wide --sweep` on the H200, Qwen3-0.6B's gate/up
+    (6144 x 1024), us, kernel against cuBLAS + silu_and_mul: 15.1 vs 14.8 at 512 rows (no gain),
+    22.3 vs 25.1 at 1024, 39.0 vs 47.5 at 2048, 78.3 vs 91.5 at 4096, 161 vs 188 at 8192, 322 vs
+    383 at 16,384 (docs/benchmarks.md, "Wide products")."""
+    if epilogue != SWIGLU or m < MIN_ROWS:
+        return None
+    if m < 2048:
+        return WideConfig(128, 64, 64, num_warps=4, num_stages=4)
+    return WideConfig(128, 128, 64, num_warps=8, num_stages=3)
+
+
+_HOPPER: dict[int, bool] = {}
+
+
+def hopper(device: torch.device) -> bool:
+    """sm_90 or newer (TMA); cached per device index."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _HOPPER:
+        _HOPPER[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _HOPPER[index]
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA's rules: last dim contiguous, other strides and the base 16-byte aligned."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and all((s * size) % 16 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
+
+
+def _supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        triton is not None and TensorDescriptor is not None and x.dtype in _DTYPES and weight.dtype == x.dtype
+        and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and _tma_ok(x) and _tma_ok(weight)
+    )
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Host-side checks only (safe in CUDA graphs)."""
+    return ENABLED and x.is_cuda and hopper(x.device) and _supported(x, weight)
+
+
+def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogue: int = NONE) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T -> [M, N]; with SWIGLU (weight = [gate | up], N = 2I):
+    silu(x @ gate.T) * (x @ up.T) -> [M, I]."""
+    assert _supported(x, weight), f"unsupported: x {x.dtype} {tuple(x.shape)} {x.stride()}, weight {weight.dtype} {tuple(weight.shape)} {weight.stride()}"
+    # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
+    assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
+        f"tensors are on {x.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({x.device}) first"
+    )
+    m, k = x.shape
+    c = config
+    if epilogue == SWIGLU:
+        assert weight.shape[0] % 2 == 0 and weight.is_contiguous(), f"a [gate | up] weight: even rows, contiguous; got {tuple(weight.shape)} {weight.stride()}"
+        n = weight.shape[0] // 2
+        w_desc = TensorDescriptor.from_tensor(weight.view(2, n, k), [2, c.block_n, c.block_k])
+    else:
+        n = weight.shape[0]
+        w_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
+    programs = min(tiles, _num_sms(x.device))
+    _wide_gemm_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x, [c.block_m, c.block_k]), w_desc, TensorDescriptor.from_tensor(out, [c.block_m, c.block_n]), m, n, k,
+        BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP=c.group, EPILOGUE=epilogue, NUM_PROGRAMS=programs,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # the interpreter (tests): a few programs, each walking several tiles
+        return 3
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+@_jit
+def _wide_gemm_kernel(x_desc, w_desc, out_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                      EPILOGUE: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_group = GROUP * tiles_n
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS, flatten=True):
+        # Grouped order: GROUP row blocks sweep the columns together (the weight tile stays in L2).
+        first_m = (tile // per_group) * GROUP
+        group_m = tl.minimum(tiles_m - first_m, GROUP)
+        pid_m = first_m + (tile % per_group) % group_m
+        pid_n = (tile % per_group) // group_m
+        if EPILOGUE == 1:
+            acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        # TMA fills the K tail (and rows past M) with zeros; stores past M are dropped.
+        for k in range(0, K, BK):
+            x = x_desc.load([pid_m * BM, k])
+            if EPILOGUE == 1:  # [2, BN, BK]: BN gate rows, then the BN matching up rows
+                w = tl.reshape(w_desc.load([0, pid_n * BN, k]), (2 * BN, BK))
+            else:
+                w = w_desc.load([pid_n * BN, k])
+            acc = tl.dot(x, w.T, acc)
+        dtype = out_desc.dtype
+        if EPILOGUE == 1:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+            # cuBLAS' rounding of the product, then activation.silu_and_mul's steps.
+            gate = gate.to(dtype).to(tl.float32)
+            up = up.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            out_desc.store([pid_m * BM, pid_n * BN], (act * up).to(dtype))
+        else:
+            out_desc.store([pid_m * BM, pid_n * BN], acc.to(dtype))
