@@ -16,11 +16,10 @@ The floor is the weight bytes / 4.2 TB/s.
     python bench/gemm.py [--m 1 16 64 128 256 512] [--sweep] [--json OUT]
 
 --wide times the many-row products instead (florist/kernels/wide_gemm.py, 512-16,384 rows: an
-embedding batch's prefill): cuBLAS (+ the SwiGLU or GELU kernel) against the persistent TMA
-kernel, SwiGLU fused for Qwen3's gate/up, GELU for MiniLM's up projection, plain for the others;
-with --sweep, a list of its configurations.
+embedding batch's prefill): cuBLAS (+ the SwiGLU kernel) against the persistent TMA kernel,
+SwiGLU fused for gate/up, plain for the others; with --sweep, a list of its configurations.
 
-    python bench/gemm.py --wide [--wide-m 512 1024 4096 16384] [--sweep] [--shapes minilm]
+    python bench/gemm.py --wide [--wide-m 512 1024 4096 16384] [--sweep]
 """
 
 from __future__ import annotations
@@ -84,61 +83,49 @@ def sweep_configs(m: int, silu_mul: bool) -> list[GemmConfig]:
     return out
 
 
-# name, N (weight rows), K, epilogue, bias, dtype: Qwen3-0.6B's products (bf16, no bias) and
-# all-MiniLM-L6-v2's (fp16, biased; its up projection with the exact GELU)
-WIDE_SHAPES = [
-    ("qwen3 qkv", 4096, 1024, wide_gemm.NONE, False, torch.bfloat16),
-    ("qwen3 o", 1024, 2048, wide_gemm.NONE, False, torch.bfloat16),
-    ("qwen3 gate_up+silu", 6144, 1024, wide_gemm.SWIGLU, False, torch.bfloat16),
-    ("qwen3 down", 1024, 3072, wide_gemm.NONE, False, torch.bfloat16),
-    ("minilm qkv", 1152, 384, wide_gemm.NONE, True, torch.float16),
-    ("minilm up+gelu", 1536, 384, wide_gemm.GELU, True, torch.float16),
-    ("minilm down", 384, 1536, wide_gemm.NONE, True, torch.float16),
-]
+# name, N (weight rows), K, SwiGLU fused: Qwen3-0.6B's products
+WIDE_SHAPES = [("qwen3 qkv", 4096, 1024, False), ("qwen3 o", 1024, 2048, False), ("qwen3 gate_up+silu", 6144, 1024, True),
+               ("qwen3 down", 1024, 3072, False)]
 
 
-def wide_sweep(epilogue: int) -> list[wide_gemm.WideConfig]:
+def wide_sweep(silu: bool) -> list[wide_gemm.WideConfig]:
     """(BM, BN, BK, warps, stages) that fit the SM's shared memory; for SwiGLU BN is per half."""
     w = wide_gemm.WideConfig
-    if epilogue == wide_gemm.SWIGLU:
+    if silu:
         return [w(128, 128, 64, 8, 3), w(128, 128, 64, 8, 4), w(128, 64, 64, 4, 4), w(128, 64, 64, 8, 4), w(64, 128, 64, 4, 4)]
-    return [w(128, 256, 64, 8, 3), w(128, 128, 64, 8, 4), w(128, 128, 64, 4, 4), w(256, 128, 64, 8, 3), w(128, 128, 128, 8, 3),
-            w(128, 64, 64, 4, 4), w(64, 128, 64, 4, 4)]
+    return [w(128, 256, 64, 8, 3), w(128, 128, 64, 8, 4), w(128, 128, 64, 4, 4), w(256, 128, 64, 8, 3), w(128, 128, 128, 8, 3)]
 
 
 def wide_main(args) -> int:
-    dev = "cuda"
-    prefixes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    dtype, dev = torch.bfloat16, "cuda"
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
     print(f"{'shape':20s} {'M':>6s} {'cublas':>8s} {'picked':>8s} {'best':>8s}  TFLOP/s cublas / picked / best; best config (us per call)", flush=True)
     rows = []
-    for name, n, k, epilogue, has_bias, dtype in WIDE_SHAPES:
-        if prefixes and not any(name.startswith(p) for p in prefixes):
-            continue
+    for name, n, k, silu in WIDE_SHAPES:
         copies = max(2, min(16, -(-256 * 2**20 // (n * k * 2))))  # > 200 MB of weights: they come from HBM
         weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.05 for _ in range(copies)]
-        bias = torch.randn(n, device=dev, dtype=dtype) if has_bias else None
         for m in args.wide_m:
             x = torch.randn(m, k, device=dev, dtype=dtype)
             flops = 2 * m * n * k
+            epilogue = wide_gemm.SWIGLU if silu else wide_gemm.NONE
 
             def cublas(i):
-                y = F.linear(x, weights[i], bias)
-                return activation.silu_and_mul(y) if epilogue == wide_gemm.SWIGLU else F.gelu(y) if epilogue == wide_gemm.GELU else y
+                y = F.linear(x, weights[i])
+                return activation.silu_and_mul(y) if silu else y
 
             t_cublas = time_graph(cublas, copies)
-            picked = wide_gemm.pick(m, epilogue)
+            picked = wide_gemm.pick(m) if silu else None
             t_picked = None
             if picked is not None:
-                got, ref = wide_gemm.wide_gemm(x, weights[0], picked, epilogue, bias).float(), cublas(0).float()
+                got, ref = wide_gemm.wide_gemm(x, weights[0], picked, epilogue).float(), cublas(0).float()
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
                 assert err < 2e-2, f"{name} M={m} {picked}: relative error {err}"
-                t_picked = time_graph(lambda i: wide_gemm.wide_gemm(x, weights[i], picked, epilogue, bias), copies)
+                t_picked = time_graph(lambda i: wide_gemm.wide_gemm(x, weights[i], picked, epilogue), copies)
             best, best_cfg = None, None
             if args.sweep:
-                for cfg in wide_sweep(epilogue):
+                for cfg in wide_sweep(silu):
                     try:
-                        t = time_graph(lambda i: wide_gemm.wide_gemm(x, weights[i], cfg, epilogue, bias), copies, replays=8)
+                        t = time_graph(lambda i: wide_gemm.wide_gemm(x, weights[i], cfg, epilogue), copies, replays=8)
                     except Exception as exc:  # out of resources and the like: not a candidate
                         print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
                         continue

@@ -18,11 +18,9 @@ blocks sweep the columns together, so a weight tile is reused from L2); operands
     silu(gate) * up, each step rounded as cuBLAS + `activation.silu_and_mul` round it (the
     product to the activation dtype, silu to it, then the multiply).
 
-The same kernel also runs BERT's intermediate projection with its bias and the exact GELU in
-the epilogue (EPILOGUE GELU, rounded as F.gelu(F.linear(...)) rounds), the [T, I] pre-activation
-never written. `EPILOGUE` NONE (plain y = x @ w.T + b) is there for measurements: it does not
-beat cuBLAS on Qwen3's qkv, o or down at 512-16,384 rows (bench/gemm.py --wide --sweep). The
-model runs the kernel where `pick` chooses it, cuBLAS + the activation kernel elsewhere.
+`EPILOGUE` NONE (plain y = x @ w.T) is there for measurements: it does not beat cuBLAS on
+Qwen3's qkv, o or down at 512-16,384 rows (bench/gemm.py --wide --sweep), so the model runs only
+the SwiGLU form, where `pick` chooses it, and cuBLAS + `silu_and_mul` elsewhere.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ except ImportError:  # an older Triton: no host-side tensor descriptors, no wide
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
-NONE, SWIGLU, GELU = 0, 1, 2
+NONE, SWIGLU = 0, 1
 _DTYPES = (torch.float16, torch.bfloat16)
 # FLORIST_WIDE_GEMM=0 keeps cuBLAS and the separate kernels (for side-by-side measurements).
 ENABLED = os.environ.get("FLORIST_WIDE_GEMM", "1") != "0"
@@ -65,25 +63,16 @@ MIN_ROWS = 1024
 
 
 def pick(m: int, epilogue: int = SWIGLU) -> WideConfig | None:
-    """The configuration for an [m, K] product with `epilogue`, or None where cuBLAS (+ the
-    separate activation kernel) is as fast. `bench/gemm.py --wide --sweep` on the H200, us,
-    kernel against cuBLAS + the activation kernel:
-      SWIGLU, Qwen3-0.6B's gate/up (6144 x 1024): 15.1 vs 14.8 at 512 rows (no gain), 22.3 vs
-        25.1 at 1024, 39.0 vs 47.5 at 2048, 78.3 vs 91.5 at 4096, 161 vs 188 at 8192, 322 vs 383
-        at 16,384 (docs/benchmarks.md, "Wide products").
-      GELU (BERT's exact GELU after the intermediate projection): see `_GELU_MIN_ROWS`.
-    Plain products (NONE) stay with cuBLAS: the kernel never beat it on Qwen3's qkv, o, down."""
-    if epilogue == SWIGLU and m >= MIN_ROWS:
-        if m < 2048:
-            return WideConfig(128, 64, 64, num_warps=4, num_stages=4)
-        return WideConfig(128, 128, 64, num_warps=8, num_stages=3)
-    if epilogue == GELU and m >= _GELU_MIN_ROWS:
-        return WideConfig(128, 128, 64, num_warps=8, num_stages=3)
-    return None
-
-
-# GELU: all-MiniLM-L6-v2's up projection (1536 x 384, fp16, bias), not yet measured on the H200.
-_GELU_MIN_ROWS = 1024
+    """The configuration for an [m, K] x [2I, K].T product with SwiGLU, or None where cuBLAS +
+    `silu_and_mul` is as fast. `bench/gemm.py --wide --sweep` on the H200, Qwen3-0.6B's gate/up
+    (6144 x 1024), us, kernel against cuBLAS + silu_and_mul: 15.1 vs 14.8 at 512 rows (no gain),
+    22.3 vs 25.1 at 1024, 39.0 vs 47.5 at 2048, 78.3 vs 91.5 at 4096, 161 vs 188 at 8192, 322 vs
+    383 at 16,384 (docs/benchmarks.md, "Wide products")."""
+    if epilogue != SWIGLU or m < MIN_ROWS:
+        return None
+    if m < 2048:
+        return WideConfig(128, 64, 64, num_warps=4, num_stages=4)
+    return WideConfig(128, 128, 64, num_warps=8, num_stages=3)
 
 
 _HOPPER: dict[int, bool] = {}
@@ -117,10 +106,9 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return ENABLED and x.is_cuda and hopper(x.device) and _supported(x, weight)
 
 
-def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogue: int = NONE,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias) -> [M, N]; with GELU, the exact (erf) GELU of that;
-    with SWIGLU (weight = [gate | up], N = 2I, no bias): silu(x @ gate.T) * (x @ up.T) -> [M, I]."""
+def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogue: int = NONE) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T -> [M, N]; with SWIGLU (weight = [gate | up], N = 2I):
+    silu(x @ gate.T) * (x @ up.T) -> [M, I]."""
     assert _supported(x, weight), f"unsupported: x {x.dtype} {tuple(x.shape)} {x.stride()}, weight {weight.dtype} {tuple(weight.shape)} {weight.stride()}"
     # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
     assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
@@ -128,9 +116,6 @@ def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogu
     )
     m, k = x.shape
     c = config
-    assert bias is None or (epilogue != SWIGLU and bias.shape == (weight.shape[0],) and bias.stride(0) == 1), (
-        f"a bias of [{weight.shape[0]}] with a contiguous last dim, and none with SwiGLU; got {None if bias is None else tuple(bias.shape)}"
-    )
     if epilogue == SWIGLU:
         assert weight.shape[0] % 2 == 0 and weight.is_contiguous(), f"a [gate | up] weight: even rows, contiguous; got {tuple(weight.shape)} {weight.stride()}"
         n = weight.shape[0] // 2
@@ -144,8 +129,8 @@ def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogu
     tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
     programs = min(tiles, _num_sms(x.device))
     _wide_gemm_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x, [c.block_m, c.block_k]), w_desc, TensorDescriptor.from_tensor(out, [c.block_m, c.block_n]),
-        bias if bias is not None else out, m, n, k, HAS_BIAS=bias is not None, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP=c.group, EPILOGUE=epilogue, NUM_PROGRAMS=programs,
+        TensorDescriptor.from_tensor(x, [c.block_m, c.block_k]), w_desc, TensorDescriptor.from_tensor(out, [c.block_m, c.block_n]), m, n, k,
+        BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP=c.group, EPILOGUE=epilogue, NUM_PROGRAMS=programs,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return out
@@ -164,7 +149,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 @_jit
-def _wide_gemm_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+def _wide_gemm_kernel(x_desc, w_desc, out_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                       EPILOGUE: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -196,10 +181,4 @@ def _wide_gemm_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, HAS_BIAS: tl.con
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             out_desc.store([pid_m * BM, pid_n * BN], (act * up).to(dtype))
         else:
-            if HAS_BIAS:
-                cols = pid_n * BN + tl.arange(0, BN)
-                acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-            if EPILOGUE == 2:  # rounded first, as F.gelu(F.linear(...)) sees it
-                acc = acc.to(dtype).to(tl.float32)
-                acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
             out_desc.store([pid_m * BM, pid_n * BN], acc.to(dtype))

@@ -24,14 +24,9 @@ from florist.layers.norm import RMSNorm
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
-    """F.linear (then exact GELU with `gelu`), except on CUDA for few rows, where the skinny-M
+    """F.linear (then exact GELU with `gelu`), except for few rows on CUDA, where the skinny-M
     kernel streams the weight faster and applies the GELU in its epilogue
-    (florist/kernels/skinny_gemm.py: which shapes, and the measurements behind them), and, with
-    `gelu`, for many rows on Hopper, where the wide kernel does (florist/kernels/wide_gemm.py)."""
-    if gelu and wide_gemm.applies(x, weight) and (bias is None or bias.stride(0) == 1):
-        config = wide_gemm.pick(x.shape[0], wide_gemm.GELU)
-        if config is not None:
-            return wide_gemm.wide_gemm(x, weight, config, wide_gemm.GELU, bias)
+    (florist/kernels/skinny_gemm.py: which shapes, and the measurements behind them)."""
     return skinny_gemm.skinny_gemm(x, weight, bias, gelu=gelu)
 
 
