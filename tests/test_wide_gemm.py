@@ -80,6 +80,20 @@ def test_pick_leaves_few_rows_to_cublas():
     assert not wg.applies(torch.zeros(4096, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16))  # CPU
 
 
+def test_layouts_the_kernel_cannot_take_are_refused_on_the_host():
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    from florist.kernels import wide_gemm as wg
+
+    bf16 = dict(dtype=torch.bfloat16)
+    x = torch.zeros(2048, 64, **bf16)
+    assert wg._supported(x, torch.zeros(6144, 64, **bf16), wg.SWIGLU)
+    assert not wg._supported(x, torch.zeros(2008, 64, **bf16), wg.SWIGLU)  # I = 1004: output rows of 2,008 bytes
+    assert not wg._supported(x, torch.zeros(6145, 64, **bf16))  # odd rows: output rows not 16-byte multiples
+    assert not wg._supported(x, torch.zeros(64, 6144, **bf16).t(), wg.SWIGLU)  # weight not contiguous
+    assert not wg._supported(torch.zeros(2048, 72, **bf16)[:, :60], torch.zeros(128, 60, **bf16))  # 120-byte rows
+    assert not wg._supported(x.float(), torch.zeros(128, 64))  # fp32
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 

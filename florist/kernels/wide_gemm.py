@@ -94,22 +94,31 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and all((s * size) % 16 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
 
 
-def _supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        triton is not None and TensorDescriptor is not None and x.dtype in _DTYPES and weight.dtype == x.dtype
-        and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and _tma_ok(x) and _tma_ok(weight)
-    )
+def _supported(x: torch.Tensor, weight: torch.Tensor, epilogue: int = NONE) -> bool:
+    """The kernel's layout rules, host-side: fp16/bf16, [M, K] x [N, K], TMA-able x and weight,
+    and an output whose rows TMA can store (a multiple of 16 bytes); SwiGLU also needs a
+    contiguous [gate | up] weight with an even number of rows."""
+    if triton is None or TensorDescriptor is None or x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        return False
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not (_tma_ok(x) and _tma_ok(weight)):
+        return False
+    n = weight.shape[0]
+    if epilogue == SWIGLU:
+        if n % 2 or not weight.is_contiguous():
+            return False
+        n //= 2
+    return (n * x.element_size()) % 16 == 0
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, epilogue: int = NONE) -> bool:
     """Host-side checks only (safe in CUDA graphs)."""
-    return ENABLED and x.is_cuda and hopper(x.device) and _supported(x, weight)
+    return ENABLED and x.is_cuda and hopper(x.device) and _supported(x, weight, epilogue)
 
 
 def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogue: int = NONE) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T -> [M, N]; with SWIGLU (weight = [gate | up], N = 2I):
     silu(x @ gate.T) * (x @ up.T) -> [M, I]."""
-    assert _supported(x, weight), f"unsupported: x {x.dtype} {tuple(x.shape)} {x.stride()}, weight {weight.dtype} {tuple(weight.shape)} {weight.stride()}"
+    assert _supported(x, weight, epilogue), f"unsupported: x {x.dtype} {tuple(x.shape)} {x.stride()}, weight {weight.dtype} {tuple(weight.shape)} {weight.stride()}"
     # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
     assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
         f"tensors are on {x.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({x.device}) first"
@@ -117,7 +126,6 @@ def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogu
     m, k = x.shape
     c = config
     if epilogue == SWIGLU:
-        assert weight.shape[0] % 2 == 0 and weight.is_contiguous(), f"a [gate | up] weight: even rows, contiguous; got {tuple(weight.shape)} {weight.stride()}"
         n = weight.shape[0] // 2
         w_desc = TensorDescriptor.from_tensor(weight.view(2, n, k), [2, c.block_n, c.block_k])
     else:
