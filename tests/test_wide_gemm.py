@@ -158,3 +158,21 @@ def test_qwen3_embedder_with_and_without_the_wide_kernel(tmp_path, monkeypatch):
         return ((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min()
 
     assert cos(fused, plain) > 0.9999 and cos(fused, ref) > 0.999
+
+
+def test_only_gpus_with_tma_and_a_datacenter_shared_memory_take_the_kernel(monkeypatch):
+    from types import SimpleNamespace
+
+    from florist.kernels import wide_gemm as wg
+
+    parts = {
+        0: SimpleNamespace(major=9, shared_memory_per_block_optin=232448),  # H100 / H200
+        1: SimpleNamespace(major=10, shared_memory_per_block_optin=232448),  # B200
+        2: SimpleNamespace(major=12, shared_memory_per_block_optin=101376),  # consumer Blackwell
+        3: SimpleNamespace(major=8, shared_memory_per_block_optin=166912),  # A100: no TMA
+        4: SimpleNamespace(major=9),  # a torch without the attribute: by architecture
+    }
+    monkeypatch.setattr(wg, "_HOPPER", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: parts[i])
+    assert [wg.hopper(torch.device("cuda", i)) for i in range(5)] == [True, True, False, False, True]
+    assert not wg.hopper(torch.device("cpu"))

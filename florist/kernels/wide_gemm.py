@@ -76,15 +76,22 @@ def pick(m: int, epilogue: int = SWIGLU) -> WideConfig | None:
 
 
 _HOPPER: dict[int, bool] = {}
+# Shared memory a program of the largest `pick` configuration needs: 3 stages of x [128, 64] and
+# w [256, 64] tiles, bf16 (144 KiB), with room for Triton's own.
+_SMEM_NEEDED = 160 * 1024
 
 
 def hopper(device: torch.device) -> bool:
-    """sm_90 or newer (TMA); cached per device index."""
+    """TMA (sm_90 or newer) and the shared memory of a datacenter part (H100/H200/B200: 227 KiB
+    a program; consumer Blackwell has ~100 KiB and would fail to launch); cached per device."""
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _HOPPER:
-        _HOPPER[index] = torch.cuda.get_device_capability(index)[0] >= 9
+        props = torch.cuda.get_device_properties(index)
+        smem = getattr(props, "shared_memory_per_block_optin", None)
+        big = smem >= _SMEM_NEEDED if smem is not None else props.major in (9, 10)
+        _HOPPER[index] = props.major >= 9 and big
     return _HOPPER[index]
 
 
