@@ -67,9 +67,10 @@ def _run_poisoned(fn):
         torch.empty = real_empty
 
 
-def _case(dtype, lens, hq, hkv, d, causal, *, pad=0, max_seqlen=None, nonfinite=False, scale=1.0):
+def _case(dtype, lens, hq, hkv, d, causal, *, pad=0, max_seqlen=None, nonfinite=False, scale=1.0, launch=None):
     """`lens` may hold zeros (the empty tail of a padded bucket); `pad` tokens follow the last
-    sequence; `max_seqlen` may exceed the longest sequence (a graph bucket's bound)."""
+    sequence; `max_seqlen` may exceed the longest sequence (a graph bucket's bound); `launch`:
+    tile / warp / stage overrides, as `bench/attention.py --sweep` passes them."""
 
     def case(gen, device, big):
         sizes = [n * 3 if big else n for n in lens]
@@ -80,7 +81,7 @@ def _case(dtype, lens, hq, hkv, d, causal, *, pad=0, max_seqlen=None, nonfinite=
                 x[t - pad :, :, 0], x[t - 1, :, -1] = float("nan"), float("inf")
         cu = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
         bound = max(max_seqlen or 0, max(sizes))
-        out = _run_poisoned(lambda: short.short_attention_triton(q, k, v, cu, bound, causal, d**-0.5))
+        out = _run_poisoned(lambda: short.short_attention_triton(q, k, v, cu, bound, causal, d**-0.5, **(launch or {})))
         ref = short.short_attention_ref(q, k, v, cu, causal, d**-0.5)
         assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
         real = slice(0, t - pad)
@@ -113,6 +114,9 @@ def _build_cases():
         cases[f"{name}-nan-inf-padding"] = _case(dtype, [7, 33], 4, 2, 32, True, pad=9, nonfinite=True)
         cases[f"{name}-large-scores"] = _case(dtype, [100], 2, 2, 64, True, scale=8.0)  # online-softmax rescaling
     cases["fp16-one-token"] = _case(torch.float16, [1], 2, 1, 128, True, pad=63)  # a 64-token bucket with one real token
+    # Tile overrides (bench/attention.py --sweep): query and key tiles other than the defaults.
+    cases["fp16-causal-tiles-16x16"] = _case(torch.float16, [1, 7, 33, 100], 4, 2, 32, True, launch=dict(blocks=(16, 16), num_warps=2, num_stages=1))
+    cases["fp32-bidir-tiles-64x128"] = _case(torch.float32, [7, 33, 100], 2, 1, 64, False, pad=3, launch=dict(blocks=(64, 128), num_warps=8, num_stages=3))
     return cases
 
 

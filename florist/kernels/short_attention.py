@@ -91,14 +91,17 @@ def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 
 def block_sizes(max_seqlen: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): small query tiles, so a 128-token sequence already spreads over
-    4 programs per head. NOTE: not yet tuned on the H200 (bench/attention.py measures the kernel
-    as a whole); 16 is tl.dot's smallest tile."""
+    4 programs per head; 16 is tl.dot's smallest tile. NOTE: not yet tuned on the H200:
+    `bench/attention.py --sweep` times the alternatives (passed to the launcher as overrides)."""
     fit = max(16, triton.next_power_of_2(max(max_seqlen, 1)))
     return min(32, fit), min(64, fit)
 
 
 def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                           causal: bool, scale: float) -> torch.Tensor:
+                           causal: bool, scale: float, blocks: tuple[int, int] | None = None, num_warps: int = 4,
+                           num_stages: int = 2) -> torch.Tensor:
+    """The kernel; `blocks` (BLOCK_M, BLOCK_N), `num_warps` and `num_stages` override the defaults
+    (`block_sizes`, 4, 2) for `bench/attention.py --sweep`."""
     assert _supported(q, k, v, cu_seqlens), (
         f"unsupported input: q {q.dtype} {tuple(q.shape)} strides {q.stride()}, k {k.dtype} {tuple(k.shape)} strides "
         f"{k.stride()}, v {v.dtype} {tuple(v.shape)} strides {v.stride()}, cu_seqlens {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
@@ -114,7 +117,7 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         return out
     if num_seqs == 0 or max_seqlen <= 0:
         return out.zero_()  # no sequence: every row is outside one
-    block_m, block_n = block_sizes(max_seqlen)
+    block_m, block_n = blocks if blocks is not None else block_sizes(max_seqlen)
     # A power of two of key tiles: few specialisations however max_seqlen varies (tiles past a
     # sequence's end are skipped at run time). Triton 3.6's interpreter cannot loop over a
     # run-time bound, hence a constexpr trip count.
@@ -125,7 +128,7 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         GROUPS=num_heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, KV_BLOCKS=kv_blocks, CAUSAL=causal, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
