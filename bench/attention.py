@@ -10,8 +10,9 @@ which for microsecond kernels mostly measures the host's launch cost):
     python bench/attention.py [--geometry minilm-l6] [--eager]
 
 --sweep times the Triton kernel's tile sizes, warps and stages instead (`short_attention.block_sizes`
-and the launch's 4 warps / 2 stages are the defaults it tunes), at the short shapes it serves,
-each configuration checked against varlen first:
+and the launch's 4 warps / 2 stages are the defaults it tunes), at the short shapes it serves with
+the geometry's masking (Qwen3 causal, MiniLM bidirectional), each configuration checked against
+varlen first:
 
     python bench/attention.py --sweep [--geometry minilm-l6]
 """
@@ -129,51 +130,56 @@ def main():
         print(f"{label:22s} " + " ".join(f"{res.get(k, float('nan')):10.4f}" for k in BACKENDS) + f"   {best} {tflops:.0f}")
 
 
-SWEEP_SHAPES = [("1 x 32", [32]), ("1 x 64", [64]), ("1 x 128", [128]), ("1 x 256", [256]), ("ragged 4 <= 200", [200, 37, 101, 9])]
+SWEEP_SHAPES = [("1 x 64", [64]), ("1 x 128", [128]), ("1 x 256", [256]), ("ragged 4 <= 200", [200, 37, 101, 9])]
+# The masking the served models use: Qwen3 embedders are causal, BERT encoders bidirectional.
+SWEEP_CAUSAL = {"qwen3-0.6b": True, "minilm-l6": False}
 
 
 def sweep(args) -> None:
-    """Every (BLOCK_M, BLOCK_N, warps, stages) that fits the shape, against the default; the
-    fastest of each shape is printed beside the default's time."""
+    """Every (BLOCK_M, BLOCK_N, warps, stages) that fits the shape, against the default, with
+    the geometry's own masking; the fastest of each shape is printed beside the default's time.
+    (~54 configurations x a few key-tile counts compile: a few minutes.)"""
     import itertools
 
     from florist.kernels import short_attention as sa
 
     hq, hkv, d, dtype = GEOMETRIES[args.geometry]
+    causal = SWEEP_CAUSAL[args.geometry]
     dev = torch.device("cuda")
     varlen = select_backend("varlen", dev)
-    print(f"{args.geometry}, {str(dtype).removeprefix('torch.')}, us per call ({'eager' if args.eager else 'CUDA graph'})")
-    print(f"{'shape':26s} {'default':>9s} {'best':>9s}  best (BLOCK_M, BLOCK_N, warps, stages)")
-    for causal in (True, False):
-        for label, lens in SWEEP_SHAPES:
-            t, max_len = sum(lens), max(lens)
-            q = torch.randn(t, hq, d, device=dev, dtype=dtype)
-            k = torch.randn(t, hkv, d, device=dev, dtype=dtype)
-            v = torch.randn(t, hkv, d, device=dev, dtype=dtype)
-            batch = to_device(HostBatch.from_sequences([[0] * n for n in lens]), dev)
-            ref = varlen(q, k, v, batch, causal, d**-0.5).float()
+    print(f"{args.geometry}, {str(dtype).removeprefix('torch.')}, {'causal' if causal else 'bidirectional'}, "
+          f"us per call ({'eager' if args.eager else 'CUDA graph'})")
+    print(f"{'shape':18s} {'default':>9s} {'best':>9s}  best (BLOCK_M, BLOCK_N, warps, stages)")
+    for label, lens in SWEEP_SHAPES:
+        t, max_len = sum(lens), max(lens)
+        q = torch.randn(t, hq, d, device=dev, dtype=dtype)
+        k = torch.randn(t, hkv, d, device=dev, dtype=dtype)
+        v = torch.randn(t, hkv, d, device=dev, dtype=dtype)
+        batch = to_device(HostBatch.from_sequences([[0] * n for n in lens]), dev)
+        ref = varlen(q, k, v, batch, causal, d**-0.5).float()
 
-            def run(cfg=None):
-                blocks, warps, stages = (cfg[:2], cfg[2], cfg[3]) if cfg else (None, 4, 2)
-                return sa.short_attention_triton(q, k, v, batch.cu_seqlens, max_len, causal, d**-0.5, blocks, warps, stages)
+        def run(cfg=None):
+            blocks, warps, stages = (cfg[:2], cfg[2], cfg[3]) if cfg else (None, 4, 2)
+            return sa.short_attention_triton(q, k, v, batch.cu_seqlens, max_len, causal, d**-0.5, blocks, warps, stages)
 
-            default = timed(run, graph=not args.eager) * 1e3
-            best, best_cfg = default, "default"
-            for cfg in itertools.product((16, 32, 64), (16, 32, 64, 128), (2, 4, 8), (1, 2, 3)):
-                if cfg[0] > max(16, triton_pow2(max_len)) or cfg[1] > max(16, triton_pow2(max_len)):
+        default = timed(run, graph=not args.eager) * 1e3
+        best, best_cfg = default, "default"
+        fit = max(16, triton_pow2(max_len))
+        for cfg in itertools.product((16, 32, 64), (32, 64, 128), (2, 4, 8), (1, 2)):
+            if cfg[0] > fit or cfg[1] > max(32, fit):
+                continue
+            try:
+                err = (run(cfg).float() - ref).abs().max().item()
+                if err >= 2e-2:
+                    print(f"  {label} {cfg}: max error {err:.3g} against varlen; skipped")
                     continue
-                try:
-                    err = (run(cfg).float() - ref).abs().max().item()
-                    if err >= 2e-2:
-                        print(f"  {label} {cfg}: max error {err:.3g} against varlen; skipped")
-                        continue
-                    us = timed(lambda: run(cfg), iters=10, graph=not args.eager) * 1e3
-                except Exception as e:  # out of resources and the like: not a candidate
-                    print(f"  {label} {cfg}: {type(e).__name__}")
-                    continue
-                if us < best:
-                    best, best_cfg = us, cfg
-            print(f"{('causal ' if causal else 'bidir ') + label:26s} {default:9.2f} {best:9.2f}  {best_cfg}", flush=True)
+                us = timed(lambda: run(cfg), iters=10, graph=not args.eager) * 1e3
+            except Exception as e:  # out of resources and the like: not a candidate
+                print(f"  {label} {cfg}: {type(e).__name__}")
+                continue
+            if us < best:
+                best, best_cfg = us, cfg
+        print(f"{label:18s} {default:9.2f} {best:9.2f}  {best_cfg}", flush=True)
 
 
 def triton_pow2(n: int) -> int:
