@@ -166,7 +166,7 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  {args.dtype}")
     print(f"floor = bytes moved by the fused kernel / {PEAK_BYTES_PER_S / 1e12:.1f} TB/s; times are GPU us per call (median)\n")
     if args.decode:
-        print(f"\n| batch | context | triton (us) | flash (us) | torch (us) | flash / triton |")
+        print("\n| batch | context | triton (us) | flash (us) | torch (us) | flash / triton |")
         print("|---:|---:|---:|---:|---:|---:|")
         for batch, context, t, _ in decode_attention_rows(args.batches, args.contexts, dtype, args.reps):
             print(f"| {batch} | {context} | {t['triton']:.2f} | {t['flash']:.2f} | {t['torch']:.2f} | {t['flash'] / t['triton']:.2f}x |")
@@ -186,7 +186,7 @@ def main() -> int:
                   f"x{ref_us / fused_us:5.2f}   floor {floor_us:8.2f} us   max|diff| {diff:.3g}", flush=True)
         torch.cuda.empty_cache()
 
-    print(f"\n| op | tokens | torch ref (us) | fused (us) | speed-up | floor (us) | floor / fused |")
+    print("\n| op | tokens | torch ref (us) | fused (us) | speed-up | floor (us) | floor / fused |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, num_tokens, ref_us, fused_us, floor_us, _ in rows:
         print(f"| {name} | {num_tokens} | {ref_us:.2f} | {fused_us:.2f} | {ref_us / fused_us:.2f}x | {floor_us:.2f} | {floor_us / fused_us:.0%} |")

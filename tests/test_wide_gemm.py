@@ -166,13 +166,16 @@ def test_only_gpus_with_tma_and_a_datacenter_shared_memory_take_the_kernel(monke
     from florist.kernels import wide_gemm as wg
 
     parts = {
-        0: SimpleNamespace(major=9, shared_memory_per_block_optin=232448),  # H100 / H200
-        1: SimpleNamespace(major=10, shared_memory_per_block_optin=232448),  # B200
-        2: SimpleNamespace(major=12, shared_memory_per_block_optin=101376),  # consumer Blackwell
-        3: SimpleNamespace(major=8, shared_memory_per_block_optin=166912),  # A100: no TMA
-        4: SimpleNamespace(major=9),  # a torch without the attribute: by architecture
+        0: SimpleNamespace(major=9, shared_memory_per_block_optin=232448, multi_processor_count=132),  # H100 / H200
+        1: SimpleNamespace(major=10, shared_memory_per_block_optin=232448, multi_processor_count=148),  # B200
+        2: SimpleNamespace(major=12, shared_memory_per_block_optin=101376, multi_processor_count=170),  # consumer Blackwell
+        3: SimpleNamespace(major=8, shared_memory_per_block_optin=166912, multi_processor_count=108),  # A100: no TMA
+        4: SimpleNamespace(major=9, multi_processor_count=132),  # a torch without the attribute: by architecture
     }
-    monkeypatch.setattr(wg, "_HOPPER", {})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: parts[i])
-    assert [wg.hopper(torch.device("cuda", i)) for i in range(5)] == [True, True, False, False, True]
+    wg._device_facts.cache_clear()
+    try:
+        assert [wg.hopper(torch.device("cuda", i)) for i in range(5)] == [True, True, False, False, True]
+    finally:
+        wg._device_facts.cache_clear()  # no fake device facts left for later tests
     assert not wg.hopper(torch.device("cpu"))

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from florist.kernels import norms
 from florist.kernels.activation import silu_and_mul
 from florist.kernels.launch_counters import LaunchCounters
-from florist.kernels.split_k import SplitKPartials, launch_reduce, reduce_partials_ref, reduce_partials_triton
+from florist.kernels.split_k import SplitKPartials, reduce_partials_triton
 
 try:
     import triton

@@ -25,6 +25,7 @@ the SwiGLU form, where `pick` chooses it, and cuBLAS + `silu_and_mul` elsewhere.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -75,24 +76,28 @@ def pick(m: int, epilogue: int = SWIGLU) -> WideConfig | None:
     return WideConfig(128, 128, 64, num_warps=8, num_stages=3)
 
 
-_HOPPER: dict[int, bool] = {}
 # Shared memory a program of the largest `pick` configuration needs: 3 stages of x [128, 64] and
 # w [256, 64] tiles, bf16 (144 KiB), with room for Triton's own.
 _SMEM_NEEDED = 160 * 1024
 
 
+@functools.cache
+def _device_facts(index: int) -> tuple[bool, int]:
+    """(whether the kernel runs on CUDA device `index`, its SM count), read once per device."""
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_block_optin", None)
+    big = smem >= _SMEM_NEEDED if smem is not None else props.major in (9, 10)
+    return props.major >= 9 and big, props.multi_processor_count
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def hopper(device: torch.device) -> bool:
     """TMA (sm_90 or newer) and the shared memory of a datacenter part (H100/H200/B200: 227 KiB
-    a program; consumer Blackwell has ~100 KiB and would fail to launch); cached per device."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _HOPPER:
-        props = torch.cuda.get_device_properties(index)
-        smem = getattr(props, "shared_memory_per_block_optin", None)
-        big = smem >= _SMEM_NEEDED if smem is not None else props.major in (9, 10)
-        _HOPPER[index] = props.major >= 9 and big
-    return _HOPPER[index]
+    a program; consumer Blackwell has ~100 KiB and would fail to launch)."""
+    return device.type == "cuda" and _device_facts(_index(device))[0]
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -120,6 +125,16 @@ def _supported(x: torch.Tensor, weight: torch.Tensor, epilogue: int = NONE) -> b
 def applies(x: torch.Tensor, weight: torch.Tensor, epilogue: int = NONE) -> bool:
     """Host-side checks only (safe in CUDA graphs)."""
     return ENABLED and x.is_cuda and hopper(x.device) and _supported(x, weight, epilogue)
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(x @ gate.T) * (x @ up.T) for a [gate | up] weight in one launch where the kernel
+    applies (`applies`) and `pick` chooses it for x's rows; None elsewhere (the caller keeps
+    skinny_gemm or cuBLAS + silu_and_mul)."""
+    if not applies(x, gate_up, SWIGLU):
+        return None
+    config = pick(x.shape[0], SWIGLU)
+    return wide_gemm(x, gate_up, config, SWIGLU) if config is not None else None
 
 
 def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogue: int = NONE) -> torch.Tensor:
@@ -151,16 +166,10 @@ def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogu
     return out
 
 
-_SMS: dict[int, int] = {}
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":  # the interpreter (tests): a few programs, each walking several tiles
         return 3
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    return _device_facts(_index(device))[1]
 
 
 @_jit

@@ -103,10 +103,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         projection is never written; else matmul + SwiGLU."""
         if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
             raise ValueError(f"SwiGLU needs two equal parts (gate, up); this layer has {self.output_sizes}")
-        if self.bias is None and wide_gemm.applies(x, self.weight, wide_gemm.SWIGLU):
-            config = wide_gemm.pick(x.shape[0], wide_gemm.SWIGLU)
-            if config is not None:  # many rows: SwiGLU in the product's epilogue
-                return wide_gemm.wide_gemm(x, self.weight, config, wide_gemm.SWIGLU)
+        wide = wide_gemm.swiglu(x, self.weight) if self.bias is None else None  # many rows: SwiGLU in the product's epilogue
+        if wide is not None:
+            return wide
         return skinny_gemm.skinny_gemm(x, self.weight, self.bias, silu_mul=True)
 
 
