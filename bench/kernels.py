@@ -3,10 +3,18 @@
 
     python bench/kernels.py [--tokens 128 512 4096 51200] [--dtype bf16] [--reps 50]
     python bench/kernels.py --decode [--batches 1 8 32] [--contexts 128 512 2048 4096]
+    python bench/kernels.py --decode-layer [--batches 1 2 4] [--contexts 256] [--sweep]
 
 --decode times decode attention over the slot KV cache instead (one query token per sequence):
 florist's one-launch Triton kernel against FlashAttention's split-KV path and the torch
 reference, each backend as the engine calls it.
+
+--decode-layer times whole decoder layers of a decode step: the one-launch layer
+(florist/kernels/decode_layer.py) against the unfused launches the model runs otherwise
+(skinny qkv product, decode attention with QK-norm + rotary, o product + add + RMSNorm, gate/up +
+SwiGLU, down product + add + RMSNorm), over 8 layers of distinct weights per call (252 MB, more
+than the L2 holds, as a 28-layer model streams its weights from HBM); --sweep adds tile, warp and
+context-slice variants of the one launch.
 
 Each op runs inside a CUDA graph (several calls back to back per replay), so the figures are GPU
 time without launch overhead, as in the engine's captured forward; the median over replays is
@@ -18,6 +26,7 @@ back-to-back calls and a single kernel is latency-bound, so the floor means litt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -142,6 +151,83 @@ def decode_attention_rows(batches: list[int], contexts: list[int], dtype: torch.
     return rows
 
 
+def decode_layer_rows(batches: list[int], contexts: list[int], dtype: torch.dtype, reps: int, sweep: bool) -> list[tuple]:
+    """(batch, context, variant, us per layer, max |diff| vs the unfused layers) per variant."""
+    from florist.kernels import decode_attention, decode_layer, skinny_gemm
+
+    dev, layers, eps = torch.device("cuda"), 8, 1e-6
+    inter, n_q, n_kv = INTERMEDIATE, NUM_Q_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+
+    def weights() -> decode_layer.LayerWeights:
+        def rand(*shape, scale):
+            return (torch.randn(*shape, device=dev) * scale).to(dtype)
+
+        return decode_layer.LayerWeights(
+            input_norm=1 + rand(HIDDEN, scale=0.1), qkv=rand(n_q + 2 * n_kv, HIDDEN, scale=HIDDEN**-0.5), q_norm=1 + rand(HEAD_DIM, scale=0.1),
+            k_norm=1 + rand(HEAD_DIM, scale=0.1), o=rand(HIDDEN, n_q, scale=n_q**-0.5), post_norm=1 + rand(HIDDEN, scale=0.1),
+            gate_up=rand(2 * inter, HIDDEN, scale=HIDDEN**-0.5), down=rand(HIDDEN, inter, scale=inter**-0.5), eps=eps,
+            num_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
+
+    stack = [weights() for _ in range(layers)]
+    angles = torch.rand(MAX_POSITIONS // 8, HEAD_DIM // 2, device=dev) * 100
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    base = decode_layer.LayerConfig(stages_apart=False)
+    variants = {"one launch": base, "stages apart": dataclasses.replace(base, stages_apart=True)}
+    if sweep:
+        for field, values in (("qkv_block_n", (16, 64)), ("mlp_block_n", (8, 32)), ("num_warps", (16,)), ("min_split_keys", (32, 128))):
+            for value in values:
+                variants[f"{field}={value}"] = dataclasses.replace(base, **{field: value})
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            caches = [(torch.randn(batch + 1, context, NUM_KV_HEADS, HEAD_DIM, device=dev, dtype=dtype),
+                       torch.randn(batch + 1, context, NUM_KV_HEADS, HEAD_DIM, device=dev, dtype=dtype)) for _ in range(layers)]
+            slots = torch.arange(batch, device=dev)
+            lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+            resid = torch.randn(batch, HIDDEN, device=dev).to(dtype)
+
+            def unfused():
+                # The model's decode layers as launched without the fused layer (Qwen3DecoderLayer):
+                # input norm once, then per layer qkv, attention (+ QK-norm, rotary, k/v store),
+                # o + add + norm, gate/up + SwiGLU, down + add + the next layer's input norm.
+                h, res = norms.rms_norm(resid, stack[0].input_norm, eps), resid
+                for i, (w, (kc, vc)) in enumerate(zip(stack, caches)):
+                    q, k, v = skinny_gemm.skinny_gemm(h, w.qkv).split([n_q, n_kv, n_kv], dim=-1)
+                    attn = decode_attention.decode_attention_qk_norm_rope(
+                        q.view(batch, NUM_Q_HEADS, HEAD_DIM), k.view(batch, NUM_KV_HEADS, HEAD_DIM), v.view(batch, NUM_KV_HEADS, HEAD_DIM),
+                        w.q_norm, w.k_norm, eps, cos_sin, kc, vc, slots, lens, HEAD_DIM**-0.5).reshape(batch, n_q)
+                    h, res = _add_norm(attn, w.o, res, w.post_norm)
+                    act = skinny_gemm.skinny_gemm(h, w.gate_up, silu_mul=True)
+                    h, res = _add_norm(act, w.down, res, stack[(i + 1) % layers].input_norm)
+                return res
+
+            def _add_norm(x, weight, res, norm_weight):
+                fused = skinny_gemm.skinny_gemm_add_rms_norm(x, weight, None, res, norm_weight, eps)
+                return fused if fused is not None else norms.add_rms_norm(skinny_gemm.skinny_gemm(x, weight), res, norm_weight, eps)
+
+            def fused(config, apart):
+                def run():
+                    res = resid
+                    for w, (kc, vc) in zip(stack, caches):
+                        res = decode_layer.qwen3_decode_layer_triton(res, w, cos_sin, kc, vc, slots, lens, HEAD_DIM**-0.5, config,
+                                                                     stages_apart=apart)
+                    return res
+                return run
+
+            want = unfused()
+            calls = {"unfused": unfused}
+            for name, config in variants.items():
+                calls[name] = fused(config, config.stages_apart)
+            for name, fn in calls.items():
+                diff = max_abs_diff(fn(), want)
+                us = time_in_graph(fn, 4, reps) / layers
+                rows.append((batch, context, name, us, diff))
+                print(f"B={batch:<2} context={context:<5} {name:<22} {us:7.2f} us / layer   max|diff| vs unfused {diff:.3g}", flush=True)
+            del caches
+            torch.cuda.empty_cache()
+    return rows
+
+
 def max_abs_diff(fused, reference) -> float:
     fused = fused if isinstance(fused, tuple) else (fused,)
     reference = reference if isinstance(reference, tuple) else (reference,)
@@ -155,7 +241,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=50, help="graph replays timed per op (median reported)")
     parser.add_argument("--decode", action="store_true", help="time decode attention backends instead")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048, 4096])
+    parser.add_argument("--contexts", type=int, nargs="+", default=None, help="default: 128 512 2048 4096 (--decode), 256 (--decode-layer)")
+    parser.add_argument("--decode-layer", action="store_true", help="time the one-launch decode layer against the unfused layer")
+    parser.add_argument("--sweep", action="store_true", help="--decode-layer: also tile / warp / slicing variants")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -165,7 +253,16 @@ def main() -> int:
     dtype = DTYPES[args.dtype]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  {args.dtype}")
     print(f"floor = bytes moved by the fused kernel / {PEAK_BYTES_PER_S / 1e12:.1f} TB/s; times are GPU us per call (median)\n")
+    if args.decode_layer:
+        rows = decode_layer_rows(args.batches if args.batches != [1, 8, 32] else [1, 2, 4], args.contexts or [256], dtype, args.reps, args.sweep)
+        print("\n| batch | context | variant | us / layer | unfused / variant |")
+        print("|---:|---:|---|---:|---:|")
+        unfused = {(b, c): us for b, c, name, us, _ in rows if name == "unfused"}
+        for batch, context, name, us, _ in rows:
+            print(f"| {batch} | {context} | {name} | {us:.2f} | {unfused[(batch, context)] / us:.2f}x |")
+        return 0
     if args.decode:
+        args.contexts = args.contexts or [128, 512, 2048, 4096]
         print("\n| batch | context | triton (us) | flash (us) | torch (us) | flash / triton |")
         print("|---:|---:|---:|---:|---:|---:|")
         for batch, context, t, _ in decode_attention_rows(args.batches, args.contexts, dtype, args.reps):

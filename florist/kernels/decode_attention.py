@@ -211,7 +211,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, m
                    k_new_ptr, v_new_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, stride_kb, stride_kh, stride_vb, stride_vh, stride_cs, eps,
                    NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr):
-    b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    decode_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr,
+                   ml_ptr, counter_ptr, stride_qb, stride_qh, max_len, num_kv_heads, group, head_dim, scale_log2,
+                   k_new_ptr, v_new_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, stride_kb, stride_kh, stride_vb, stride_vh, stride_cs, eps,
+                   NUM_SPLITS, MIN_SPLIT_KEYS, BLOCK_N, BLOCK_H, BLOCK_D, IEEE, ROPE)
+
+
+@_jit
+def decode_program(b, h, s, q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr, counter_ptr,
+                   stride_qb, stride_qh, max_len, num_kv_heads, group, head_dim, scale_log2,
+                   k_new_ptr, v_new_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, stride_kb, stride_kh, stride_vb, stride_vh, stride_cs, eps,
+                   NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_D: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr):
+    """One program's work, (sequence b, kv head h, context slice s): `_decode_kernel` runs it per
+    program id, the fused decode layer (florist/kernels/decode_layer.py) per work item."""
     length = tl.load(lens_ptr + b)
     # Slices in use for this sequence: each takes >= MIN_SPLIT_KEYS keys, so a short context
     # runs as one program per kv head with no merge; the other programs return at once.

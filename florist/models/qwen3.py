@@ -11,6 +11,7 @@ from torch import nn
 
 from florist.config import ModelConfig
 from florist.engine.batch import RaggedBatch
+from florist.kernels import decode_layer
 from florist.kernels.rotary import qk_norm_rope
 from florist.layers.attention import Attention, AttentionFn
 from florist.layers.embedding import VocabParallelEmbedding
@@ -105,6 +106,21 @@ class Qwen3DecoderLayer(nn.Module):
         h, residual = self.self_attn(h, batch, residual, self.post_attention_layernorm)
         return self.mlp(h, residual, next_norm)
 
+    def decode_layer_weights(self) -> decode_layer.LayerWeights | None:
+        """The layer's tensors for the one-launch decode layer (florist/kernels/decode_layer.py);
+        None where it cannot run it: biases, or tensor parallelism (its products need all-reduces)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(lin.bias is not None or lin.tp_size > 1 for lin in linears) or attn.q_norm.eps != self.input_layernorm.eps:
+            return None
+        if not (attn.k_norm.eps == self.post_attention_layernorm.eps == self.input_layernorm.eps):
+            return None
+        return decode_layer.LayerWeights(
+            input_norm=self.input_layernorm.weight, qkv=attn.qkv_proj.weight, q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
+            o=attn.o_proj.weight, post_norm=self.post_attention_layernorm.weight, gate_up=mlp.gate_up_proj.weight,
+            down=mlp.down_proj.weight, eps=self.input_layernorm.eps, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim)
+
     def forward_last(self, h: torch.Tensor, residual: torch.Tensor, batch: RaggedBatch, next_norm: RMSNorm):
         """The layer for each sequence's last token only (its keys/values still come from every
         token): [T, H] in, [B, H] out. Everything after attention is per token, so computing it
@@ -136,15 +152,39 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, backend, attention) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.last_token_only = False
+        self._decode_weights: list[decode_layer.LayerWeights | None] | None = None  # made on the first decode step
 
     def forward(self, batch: RaggedBatch) -> torch.Tensor:
         residual = self.embed_tokens(batch.input_ids)
+        if getattr(batch, "decode", False):
+            fused = self._decode_fused(residual, batch)
+            if fused is not None:
+                return fused
         h = self.layers[0].input_layernorm(residual)  # the first layer: its input is the residual stream
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             run = layer.forward_last if self.last_token_only and i == len(self.layers) - 1 else layer
             h, residual = run(h, residual, batch, next_norm)
         return h
+
+    def _decode_fused(self, residual: torch.Tensor, batch) -> torch.Tensor | None:
+        """A decode step of a few rows (generation) with each layer in one launch
+        (florist/kernels/decode_layer.py) and the final norm after; None where that does not
+        apply (host-side checks only: the step may be captured in a CUDA graph)."""
+        attn = self.layers[0].self_attn
+        if not getattr(getattr(attn.attn, "decode_backend", None), "fuses_qk_norm_rope", False):
+            return None
+        if self._decode_weights is None:
+            self._decode_weights = [layer.decode_layer_weights() for layer in self.layers]
+        weights = self._decode_weights
+        cos_sin = attn.rotary.cos_sin_cache
+        if weights[0] is None or not decode_layer.applies(residual, weights[0], cos_sin, attn.attn.k_cache, attn.attn.v_cache):
+            return None
+        for layer, w in zip(self.layers, weights):
+            cached = layer.self_attn.attn
+            residual = decode_layer.qwen3_decode_layer_triton(residual, w, cos_sin, cached.k_cache, cached.v_cache, batch.slots,
+                                                              batch.context_lens, cached.scale)
+        return self.norm(residual)
 
 
 class YesNoHead(nn.Module):

@@ -1,0 +1,403 @@
+"""A whole Qwen3 decoder layer in one launch, for decode steps of a few rows.
+
+At batch 1 a decode step is ~28 x 5 kernels that each stream a few MB of weight, and inside a
+CUDA graph each costs a few microseconds more than its bytes (docs/kernels.md, "Few rows"). This
+kernel runs the layer's five stages in one launch of one program per SM, the stages separated by
+a grid-wide barrier instead of kernel boundaries:
+
+    stage 0  qkv     h = rms_norm(resid) * w_in          qkv[M, Nq + 2 Nkv] = h @ w_qkv.T
+    stage 1  attn    QK-norm, rotary, k/v into the cache, attention over it     (decode_attention)
+    stage 2  o       mid = attn @ w_o.T + resid
+    stage 3  mlp     h2 = rms_norm(mid) * w_post         act[M, I] = silu(h2 @ w_gate.T) * (h2 @ w_up.T)
+    stage 4  down    out = act @ w_down.T + mid           (the next layer's resid)
+
+The layer takes and returns the residual stream (not a normed h, as the unfused layers pass):
+each program normalises the few rows itself where a product needs them (stages 0 and 3), which
+costs nothing next to the weight it reads and saves the norm's own stage. The model applies its
+final norm after the last layer.
+
+Products (stages 0, 2, 3, 4) tile the output columns: program p takes tiles p, p + P, ... of
+[BLOCK_N, K] weight rows, reads each whole (every load of a tile in flight at once), and reduces
+along K in fp32 for each of the M rows. Where a stage has at most one tile per program its weight
+is loaded *before* the barrier that opens the stage (`PREFETCH`): weights do not depend on the
+step, so their read overlaps the wait for the stage before. Attention items (row, kv head,
+context slice) go round the programs the same way; the last slice of a (row, kv head) to finish
+merges them (decode_attention's counters).
+
+Barrier. Split in two: `_arrive` (a CTA barrier, so all of the program's stores precede it, then
+one release add to a counter whose old value is never read) and `_wait` (spin with acquire loads
+until the counter reaches (stage) x P). The next stage's weight is loaded between the two, so its
+read overlaps the wait and the arrival does not wait for it (a release waits for the thread's
+outstanding loads). The counter only grows within a launch; the last program to leave (a second
+counter, `_leave`) puts both words back to 0, so every launch and graph replay finds them at rest.
+All programs must be resident at once: the launch never has more programs than the GPU has SMs
+(one program fits on an SM whenever the kernel compiles), and launches sharing the barrier words
+must not run concurrently (one stream).
+
+Under Triton's interpreter the programs run one after another, so a barrier that waits for the
+others would never return: there each stage runs as a launch of its own (`stages_apart=True`,
+also a GPU option for A/B runs), and a one-program launch runs all stages through the barrier
+code. Rounding follows the unfused layer: products and sums rounded to the activation dtype where
+the unfused layer writes a tensor, the norms rounded as `norms.rms_norm_ref`, SwiGLU computed in
+fp32 from the fp32 gate/up sums as the skinny product's epilogue does. The reference
+(`qwen3_decode_layer_ref`) composes the torch references of those ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from florist.kernels import decode_attention
+from florist.kernels.launch_counters import LaunchCounters
+from florist.kernels.norms import rms_norm_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference below is the whole implementation
+    triton = None
+
+# NOTE: without triton the kernels below are plain (never called) functions; the annotations are
+# strings (`from __future__ import annotations`), which triton.jit reads as constexpr markers.
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+# FLORIST_DECODE_LAYER=0 keeps decode steps on the unfused layers, =apart runs the fused layer's
+# stages as launches of their own (for side-by-side runs).
+_MODE = os.environ.get("FLORIST_DECODE_LAYER", "1")
+ENABLED = _MODE != "0"
+MAX_ROWS = 1  # decode steps of this many rows take the fused layer (at 2 and 4 rows it was slower: docs/benchmarks.md)
+_NUM_STAGES = 5
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """Tile widths (output columns per program and stage), warps, and the context slicing of the
+    attention stage."""
+
+    qkv_block_n: int = 32
+    o_block_n: int = 8
+    mlp_block_n: int = 32
+    down_block_n: int = 8
+    num_warps: int = 8
+    min_split_keys: int = 64
+    max_splits: int = 16
+    programs: int | None = None  # None: one per SM (never more)
+    stages_apart: bool = _MODE == "apart"  # one launch per stage instead of the grid barrier
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One Qwen3 decoder layer's tensors, as the model holds them (no biases)."""
+
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor  # [D]
+    o: torch.Tensor  # [H, Hq D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]: gate rows, then up rows
+    down: torch.Tensor  # [H, I]
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def qwen3_decode_layer_ref(resid: torch.Tensor, w: LayerWeights, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The unfused layer, op by op (writes this step's k/v into the cache like the kernel)."""
+    m = resid.shape[0]
+    d, hq, hkv = w.head_dim, w.num_heads, w.num_kv_heads
+    h = rms_norm_ref(resid, w.input_norm, w.eps)
+    q, k, v = F.linear(h, w.qkv).split([hq * d, hkv * d, hkv * d], dim=-1)
+    attn = decode_attention.decode_attention_qk_norm_rope_ref(
+        q.reshape(m, hq, d), k.reshape(m, hkv, d), v.reshape(m, hkv, d), w.q_norm, w.k_norm, w.eps, cos_sin_cache,
+        k_cache, v_cache, slots, context_lens, scale)
+    mid = F.linear(attn.reshape(m, hq * d), w.o) + resid
+    gate, up = F.linear(rms_norm_ref(mid, w.post_norm, w.eps), w.gate_up).float().chunk(2, dim=-1)
+    act = (F.silu(gate) * up).to(resid.dtype)
+    return F.linear(act, w.down) + mid
+
+
+def applies(resid: torch.Tensor, w: LayerWeights, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Host-side checks only (safe in CUDA graphs): Triton on CUDA, 16-bit activations, at most
+    MAX_ROWS rows, and tensors of the shapes `_shapes_fit` takes."""
+    return (ENABLED and triton is not None and resid.is_cuda and resid.dim() == 2 and 0 < resid.shape[0] <= MAX_ROWS
+            and _shapes_fit(resid, w, cos_sin_cache, k_cache, v_cache))
+
+
+def _shapes_fit(resid, w: LayerWeights, cos_sin_cache, k_cache, v_cache) -> bool:
+    """Contiguous tensors of one dtype (fp16/bf16) and device, shaped as the layer's; a
+    power-of-two head_dim >= 32 (the attention stage's rotary halves); an fp32 cos | sin cache;
+    contiguous [slots, max_len, Hkv, D] caches."""
+    if resid.dim() != 2 or resid.dtype not in (torch.float16, torch.bfloat16) or not resid.is_contiguous():
+        return False
+    hidden, d, hq, hkv = resid.shape[1], w.head_dim, w.num_heads, w.num_kv_heads
+    inter = w.down.shape[1] if w.down.dim() == 2 else 0
+    shapes = {"input_norm": (hidden,), "post_norm": (hidden,), "qkv": ((hq + 2 * hkv) * d, hidden), "q_norm": (d,), "k_norm": (d,),
+              "o": (hidden, hq * d), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+    for name, shape in shapes.items():
+        t = getattr(w, name)
+        if t.shape != shape or t.dtype != resid.dtype or not t.is_contiguous() or t.device != resid.device:
+            return False
+    return (d >= 32 and d & (d - 1) == 0 and hkv > 0 and hq % hkv == 0
+            and k_cache.shape == v_cache.shape and k_cache.dim() == 4 and k_cache.shape[2:] == (hkv, d)
+            and k_cache.dtype == v_cache.dtype == resid.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == d
+            and cos_sin_cache.stride(1) == 1
+            and all(t.device == resid.device for t in (k_cache, v_cache, cos_sin_cache)))
+
+
+# Barrier words ([count, generation], at rest between barriers) and attention merge counters.
+_barriers = LaunchCounters("fused decode layer barrier", minimum=2)
+_attention_counters = LaunchCounters("fused decode layer attention", minimum=1024)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def qwen3_decode_layer(resid: torch.Tensor, w: LayerWeights, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slots: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """resid [M, H] (the residual stream into the layer) -> the residual stream out of it; this
+    step's k/v are written into the caches at position context_lens - 1 of each row's slot."""
+    if applies(resid, w, cos_sin_cache, k_cache, v_cache):
+        return qwen3_decode_layer_triton(resid, w, cos_sin_cache, k_cache, v_cache, slots, context_lens, scale)
+    return qwen3_decode_layer_ref(resid, w, cos_sin_cache, k_cache, v_cache, slots, context_lens, scale)
+
+
+def qwen3_decode_layer_triton(resid, w: LayerWeights, cos_sin_cache, k_cache, v_cache, slots, context_lens, scale: float,
+                              config: LayerConfig | None = None, stages_apart: bool | None = None) -> torch.Tensor:
+    """The kernel. `stages_apart`: one launch per stage (no grid barrier); None: apart under the
+    interpreter only. Checks `_shapes_fit` first (tests call this directly, on the interpreter)."""
+    c = config or LayerConfig()
+    assert _shapes_fit(resid, w, cos_sin_cache, k_cache, v_cache), "the fused decode layer does not take these tensors"
+    m, hidden = resid.shape
+    d, hq, hkv = w.head_dim, w.num_heads, w.num_kv_heads
+    inter = w.down.shape[1]
+    n_qkv = (hq + 2 * hkv) * d
+    device = resid.device
+    interpreted = not resid.is_cuda
+    if stages_apart is None:
+        stages_apart = interpreted or c.stages_apart
+    if interpreted:
+        programs = c.programs or 4
+    else:
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        programs = min(c.programs or sms, sms)  # all resident at once: see the module docstring
+    group = hq // hkv
+    block_h = max(16, triton.next_power_of_2(group))
+    block_n_keys = 64 if d <= 128 else 32
+    splits = max(1, min(c.max_splits, programs // (m * hkv)))
+    splits = 1 << (splits.bit_length() - 1)
+    qkv = torch.empty((m, n_qkv), dtype=resid.dtype, device=device)
+    attn = torch.empty((m, hq, d), dtype=resid.dtype, device=device)
+    mid = torch.empty_like(resid)
+    act = torch.empty((m, inter), dtype=resid.dtype, device=device)
+    out = torch.empty_like(resid)
+    part_acc = torch.empty((m, hkv, splits, block_h, d), dtype=torch.float32, device=device)
+    part_ml = torch.empty((m, hkv, splits, 2, block_h), dtype=torch.float32, device=device)
+    counters = _attention_counters.get(device, m * hkv)
+    barrier = _barriers.get(device, 2)
+    args = (resid, w.input_norm, w.qkv, qkv, w.q_norm, w.k_norm, cos_sin_cache, k_cache, v_cache, slots, context_lens, attn, part_acc,
+            part_ml, counters, w.o, mid, w.post_norm, w.gate_up, act, w.down, out, barrier,
+            m, hidden, hq * d, hkv * d, inter, k_cache.shape[1], hkv, group, cos_sin_cache.stride(0), w.eps, scale * decode_attention._LOG2E,
+            programs)
+    meta = dict(HIDDEN_BLOCK=triton.next_power_of_2(hidden), Q_BLOCK=triton.next_power_of_2(hq * d),
+                INTER_BLOCK=triton.next_power_of_2(inter), BLOCK_M=triton.next_power_of_2(m), HEAD_DIM=d,
+                QKV_BN=c.qkv_block_n, O_BN=c.o_block_n, MLP_BN=c.mlp_block_n, DOWN_BN=c.down_block_n,
+                NUM_SPLITS=splits, MIN_SPLIT_KEYS=c.min_split_keys, BLOCK_KEYS=block_n_keys, BLOCK_H=block_h,
+                num_warps=c.num_warps)
+    if stages_apart:
+        for stage in range(_NUM_STAGES):
+            _decode_layer_kernel[(programs,)](*args, FIRST=stage, LAST=stage, **meta)
+    else:
+        _decode_layer_kernel[(programs,)](*args, FIRST=0, LAST=_NUM_STAGES - 1, **meta)
+    return out
+
+
+@_jit
+def _arrive(bar_ptr):
+    """This program's stores so far are done; count it in at the barrier (no wait: module docstring)."""
+    tl.debug_barrier()  # all of this program's threads have issued their stores
+    one = tl.full((1,), 1, tl.int32)
+    tl.atomic_add(bar_ptr + tl.zeros((1,), tl.int32), one, sem="release", scope="gpu")  # the old value is never read
+
+
+@_jit
+def _wait(bar_ptr, target):
+    """Until `target` arrivals have been counted (every program's, up to this barrier)."""
+    now = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    while now < target:
+        now = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@_jit
+def _leave(bar_ptr, num_programs):
+    """At the end of a launch that used the barrier: the last program out puts both words back to
+    0 for the next launch (every program has passed its last wait before it counts itself out)."""
+    tl.debug_barrier()
+    first = tl.zeros((1,), tl.int32)
+    left = tl.atomic_add(bar_ptr + 1 + first, first + 1, sem="acq_rel", scope="gpu")
+    last = left == num_programs - 1
+    tl.store(bar_ptr + first, first, mask=last)
+    tl.store(bar_ptr + 1 + first, first, mask=last)
+
+
+@_jit
+def _weight_tile(w_ptr, n0, n_rows, k_cols, BN: tl.constexpr, KB: tl.constexpr):
+    """w[n0 : n0 + BN, :k_cols] as a [BN, KB] tile (rows >= n_rows and columns >= k_cols read 0)."""
+    rn = n0 + tl.arange(0, BN)
+    rk = tl.arange(0, KB)
+    mask = (rn < n_rows)[:, None] & (rk < k_cols)[None, :]
+    return tl.load(w_ptr + rn.to(tl.int64)[:, None] * k_cols + rk[None, :], mask=mask, other=0.0)
+
+
+@_jit
+def _row(x_ptr, row, n, NB: tl.constexpr):
+    """Row `row` of a contiguous [*, n] activation written earlier in this launch, in fp32 (read
+    through L2: another program wrote it)."""
+    c = tl.arange(0, NB)
+    return tl.load(x_ptr + row * n + c, mask=c < n, other=0.0, cache_modifier=".cg").to(tl.float32)
+
+
+@_jit
+def _normed_row(x_ptr, w_ptr, row, n, eps, NB: tl.constexpr):
+    """rms_norm(x[row]) * w, rounded as norms.rms_norm_ref rounds it, in fp32 [NB] (0 past n)."""
+    c = tl.arange(0, NB)
+    ok = c < n
+    x = tl.load(x_ptr + row * n + c, mask=ok, other=0.0, cache_modifier=".cg")
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    return y.to(x.dtype).to(tl.float32)
+
+
+@_jit
+def _qkv_tile(w, t, resid_ptr, in_w_ptr, qkv_ptr, M, hidden, n_qkv, eps,
+              BLOCK_M: tl.constexpr, BN: tl.constexpr, HIDDEN_BLOCK: tl.constexpr):
+    rn = t * BN + tl.arange(0, BN)
+    wf = w.to(tl.float32)
+    for r in tl.static_range(BLOCK_M):
+        if r < M:
+            h = _normed_row(resid_ptr, in_w_ptr, r, hidden, eps, HIDDEN_BLOCK)
+            y = tl.sum(wf * h[None, :], axis=1)
+            tl.store(qkv_ptr + r * n_qkv + rn, y.to(qkv_ptr.dtype.element_ty), mask=rn < n_qkv)
+
+
+@_jit
+def _add_tile(w, t, x_ptr, k_cols, res_ptr, out_ptr, M, hidden, BLOCK_M: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr):
+    """out[:, tile t] = (x @ w_tile.T rounded) + res[:, tile t], rounded: o_proj and down_proj."""
+    rn = t * BN + tl.arange(0, BN)
+    n_ok = rn < hidden
+    wf = w.to(tl.float32)
+    for r in tl.static_range(BLOCK_M):
+        if r < M:
+            x = _row(x_ptr, r, k_cols, KB)
+            y = tl.sum(wf * x[None, :], axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+            res = tl.load(res_ptr + r * hidden + rn, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            tl.store(out_ptr + r * hidden + rn, (y + res).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@_jit
+def _mlp_tile(w_gate, w_up, t, mid_ptr, post_w_ptr, act_ptr, M, hidden, inter, eps,
+              BLOCK_M: tl.constexpr, BN: tl.constexpr, HIDDEN_BLOCK: tl.constexpr):
+    rn = t * BN + tl.arange(0, BN)
+    gf = w_gate.to(tl.float32)
+    uf = w_up.to(tl.float32)
+    for r in tl.static_range(BLOCK_M):
+        if r < M:
+            h = _normed_row(mid_ptr, post_w_ptr, r, hidden, eps, HIDDEN_BLOCK)
+            gate = tl.sum(gf * h[None, :], axis=1)
+            up = tl.sum(uf * h[None, :], axis=1)
+            act = gate / (1.0 + tl.exp(-gate)) * up
+            tl.store(act_ptr + r * inter + rn, act.to(act_ptr.dtype.element_ty), mask=rn < inter)
+
+
+@_jit
+def _decode_layer_kernel(resid_ptr, in_w_ptr, w_qkv_ptr, qkv_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+                         lens_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, w_o_ptr, mid_ptr, post_w_ptr, w_gu_ptr, act_ptr,
+                         w_down_ptr, out_ptr, bar_ptr,
+                         M, hidden, n_q, n_kv, inter, max_len, num_kv_heads, group, stride_cs, eps, scale_log2, P,
+                         HIDDEN_BLOCK: tl.constexpr, Q_BLOCK: tl.constexpr, INTER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, QKV_BN: tl.constexpr, O_BN: tl.constexpr, MLP_BN: tl.constexpr,
+                         DOWN_BN: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
+                         BLOCK_KEYS: tl.constexpr, BLOCK_H: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+    pid = tl.program_id(0)
+    n_qkv = n_q + 2 * n_kv
+
+    # -- stage 0: input norm + qkv projection --------------------------------------------------
+    if FIRST <= 0:
+        for t in range(pid, tl.cdiv(n_qkv, QKV_BN), P):
+            w = _weight_tile(w_qkv_ptr, t * QKV_BN, n_qkv, hidden, QKV_BN, HIDDEN_BLOCK)
+            _qkv_tile(w, t, resid_ptr, in_w_ptr, qkv_ptr, M, hidden, n_qkv, eps, BLOCK_M, QKV_BN, HIDDEN_BLOCK)
+
+    # -- stage 1: QK-norm + rotary + k/v store + attention ---------------------------------------
+    if FIRST <= 1 and LAST >= 1:
+        if FIRST < 1:
+            _arrive(bar_ptr)
+            _wait(bar_ptr, P)
+        items = M * num_kv_heads * NUM_SPLITS
+        for item in range(pid, items, P):
+            b = item // (num_kv_heads * NUM_SPLITS)
+            h = (item // NUM_SPLITS) % num_kv_heads
+            s = item % NUM_SPLITS
+            decode_attention.decode_program(
+                b, h, s, qkv_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, lens_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,
+                n_qkv, HEAD_DIM, max_len, num_kv_heads, group, HEAD_DIM, scale_log2,
+                qkv_ptr + n_q, qkv_ptr + n_q + n_kv, q_w_ptr, k_w_ptr, cos_sin_ptr, n_qkv, HEAD_DIM, n_qkv, HEAD_DIM, stride_cs, eps,
+                NUM_SPLITS, MIN_SPLIT_KEYS, BLOCK_KEYS, BLOCK_H, HEAD_DIM, False, True)
+
+    # -- stage 2: o projection + residual --------------------------------------------------------
+    if FIRST <= 2 and LAST >= 2:
+        o_tiles = tl.cdiv(hidden, O_BN)
+        # The first tile's weight is read between arriving at the barrier and waiting at it.
+        if FIRST < 2:
+            _arrive(bar_ptr)
+        w = _weight_tile(w_o_ptr, pid * O_BN, hidden, n_q, O_BN, Q_BLOCK)
+        if FIRST < 2:
+            _wait(bar_ptr, 2 * P)
+        if pid < o_tiles:
+            _add_tile(w, pid, attn_ptr, n_q, resid_ptr, mid_ptr, M, hidden, BLOCK_M, O_BN, Q_BLOCK)
+        for t in range(pid + P, o_tiles, P):
+            w = _weight_tile(w_o_ptr, t * O_BN, hidden, n_q, O_BN, Q_BLOCK)
+            _add_tile(w, t, attn_ptr, n_q, resid_ptr, mid_ptr, M, hidden, BLOCK_M, O_BN, Q_BLOCK)
+
+    # -- stage 3: post-attention norm + gate/up + SwiGLU -----------------------------------------
+    if FIRST <= 3 and LAST >= 3:
+        mlp_tiles = tl.cdiv(inter, MLP_BN)
+        if FIRST < 3:
+            _arrive(bar_ptr)
+        w_gate = _weight_tile(w_gu_ptr, pid * MLP_BN, inter, hidden, MLP_BN, HIDDEN_BLOCK)
+        w_up = _weight_tile(w_gu_ptr + inter * hidden, pid * MLP_BN, inter, hidden, MLP_BN, HIDDEN_BLOCK)
+        if FIRST < 3:
+            _wait(bar_ptr, 3 * P)
+        if pid < mlp_tiles:
+            _mlp_tile(w_gate, w_up, pid, mid_ptr, post_w_ptr, act_ptr, M, hidden, inter, eps, BLOCK_M, MLP_BN, HIDDEN_BLOCK)
+        for t in range(pid + P, mlp_tiles, P):
+            w_gate = _weight_tile(w_gu_ptr, t * MLP_BN, inter, hidden, MLP_BN, HIDDEN_BLOCK)
+            w_up = _weight_tile(w_gu_ptr + inter * hidden, t * MLP_BN, inter, hidden, MLP_BN, HIDDEN_BLOCK)
+            _mlp_tile(w_gate, w_up, t, mid_ptr, post_w_ptr, act_ptr, M, hidden, inter, eps, BLOCK_M, MLP_BN, HIDDEN_BLOCK)
+
+    # -- stage 4: down projection + residual -----------------------------------------------------
+    if LAST >= 4:
+        down_tiles = tl.cdiv(hidden, DOWN_BN)
+        if FIRST < 4:
+            _arrive(bar_ptr)
+        w = _weight_tile(w_down_ptr, pid * DOWN_BN, hidden, inter, DOWN_BN, INTER_BLOCK)
+        if FIRST < 4:
+            _wait(bar_ptr, 4 * P)
+        if pid < down_tiles:
+            _add_tile(w, pid, act_ptr, inter, mid_ptr, out_ptr, M, hidden, BLOCK_M, DOWN_BN, INTER_BLOCK)
+        for t in range(pid + P, down_tiles, P):
+            w = _weight_tile(w_down_ptr, t * DOWN_BN, hidden, inter, DOWN_BN, INTER_BLOCK)
+            _add_tile(w, t, act_ptr, inter, mid_ptr, out_ptr, M, hidden, BLOCK_M, DOWN_BN, INTER_BLOCK)
+        if FIRST < 4:
+            _leave(bar_ptr, P)
