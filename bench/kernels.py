@@ -168,13 +168,13 @@ def decode_layer_rows(batches: list[int], contexts: list[int], dtype: torch.dtyp
             gate_up=rand(2 * inter, HIDDEN, scale=HIDDEN**-0.5), down=rand(HIDDEN, inter, scale=inter**-0.5), eps=eps,
             num_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
 
-    stack = [weights() for _ in range(layers)]
+    layer_weights = [weights() for _ in range(layers)]
     angles = torch.rand(MAX_POSITIONS // 8, HEAD_DIM // 2, device=dev) * 100
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
     base = decode_layer.LayerConfig(stages_apart=False)
-    variants = {"one launch": base, "stages apart": dataclasses.replace(base, stages_apart=True)}
+    variants = {"one launch (8 layers)": base, "stages apart": dataclasses.replace(base, stages_apart=True)}
     if sweep:
-        for field, values in (("qkv_block_n", (16, 64)), ("mlp_block_n", (8, 32)), ("num_warps", (16,)), ("min_split_keys", (32, 128))):
+        for field, values in (("qkv_block_n", (16,)), ("mlp_block_n", (8, 16)), ("num_warps", (16,)), ("min_split_keys", (32, 128))):
             for value in values:
                 variants[f"{field}={value}"] = dataclasses.replace(base, **{field: value})
     rows = []
@@ -190,34 +190,39 @@ def decode_layer_rows(batches: list[int], contexts: list[int], dtype: torch.dtyp
                 # The model's decode layers as launched without the fused layer (Qwen3DecoderLayer):
                 # input norm once, then per layer qkv, attention (+ QK-norm, rotary, k/v store),
                 # o + add + norm, gate/up + SwiGLU, down + add + the next layer's input norm.
-                h, res = norms.rms_norm(resid, stack[0].input_norm, eps), resid
-                for i, (w, (kc, vc)) in enumerate(zip(stack, caches)):
+                h, res = norms.rms_norm(resid, layer_weights[0].input_norm, eps), resid
+                for i, (w, (kc, vc)) in enumerate(zip(layer_weights, caches)):
                     q, k, v = skinny_gemm.skinny_gemm(h, w.qkv).split([n_q, n_kv, n_kv], dim=-1)
                     attn = decode_attention.decode_attention_qk_norm_rope(
                         q.view(batch, NUM_Q_HEADS, HEAD_DIM), k.view(batch, NUM_KV_HEADS, HEAD_DIM), v.view(batch, NUM_KV_HEADS, HEAD_DIM),
                         w.q_norm, w.k_norm, eps, cos_sin, kc, vc, slots, lens, HEAD_DIM**-0.5).reshape(batch, n_q)
                     h, res = _add_norm(attn, w.o, res, w.post_norm)
                     act = skinny_gemm.skinny_gemm(h, w.gate_up, silu_mul=True)
-                    h, res = _add_norm(act, w.down, res, stack[(i + 1) % layers].input_norm)
+                    h, res = _add_norm(act, w.down, res, layer_weights[(i + 1) % layers].input_norm)
                 return res
 
             def _add_norm(x, weight, res, norm_weight):
                 fused = skinny_gemm.skinny_gemm_add_rms_norm(x, weight, None, res, norm_weight, eps)
                 return fused if fused is not None else norms.add_rms_norm(skinny_gemm.skinny_gemm(x, weight), res, norm_weight, eps)
 
-            def fused(config, apart):
+            fused_stack = decode_layer.DecodeStack.build(layer_weights, [k for k, _ in caches], [v for _, v in caches])
+            singles = [decode_layer.DecodeStack.build([w], [k], [v]) for w, (k, v) in zip(layer_weights, caches)]
+
+            def fused(config, per_layer=False):
                 def run():
+                    if not per_layer:
+                        return decode_layer.qwen3_decode_layers_triton(resid, fused_stack, cos_sin, slots, lens, HEAD_DIM**-0.5, config)
                     res = resid
-                    for w, (kc, vc) in zip(stack, caches):
-                        res = decode_layer.qwen3_decode_layer_triton(res, w, cos_sin, kc, vc, slots, lens, HEAD_DIM**-0.5, config,
-                                                                     stages_apart=apart)
+                    for single in singles:
+                        res = decode_layer.qwen3_decode_layers_triton(res, single, cos_sin, slots, lens, HEAD_DIM**-0.5, config)
                     return res
                 return run
 
             want = unfused()
             calls = {"unfused": unfused}
             for name, config in variants.items():
-                calls[name] = fused(config, config.stages_apart)
+                calls[name] = fused(config)
+            calls["one launch per layer"] = fused(base, per_layer=True)
             for name, fn in calls.items():
                 diff = max_abs_diff(fn(), want)
                 us = time_in_graph(fn, 4, reps) / layers

@@ -121,6 +121,46 @@ def check_one_program(device):
     print("decode layer one program ok")
 
 
+def check_stack(device):
+    # Three layers of their own weights and caches in one launch (one program on the interpreter,
+    # so the grid barrier's code runs there too) and as launches per layer and stage, against the
+    # per-layer references; the caches each layer writes are its own.
+    g = torch.Generator().manual_seed(4)
+    shape = (1, 1024, 16, 8, 128, 3072, 4, 300) if device == "cuda" else (2, 64, 4, 2, 32, 96, 3, 40)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    layers = [make(g, *shape, dtype, device) for _ in range(3)]
+    resid, cos_sin, slot_ids, lens = layers[0][1], layers[0][2], layers[0][5], layers[0][6]
+    for layer in layers:  # every layer's cache poisoned where layer 0's is: at and past this step's positions
+        for cache, poison in ((layer[3], float("nan")), (layer[4], float("inf"))):
+            cache.nan_to_num_(nan=0.5, posinf=0.5)
+            for b in range(shape[0]):
+                cache[slot_ids[b], int(lens[b]) - 1 :] = poison
+    scale = shape[4] ** -0.5
+    want, want_caches = resid, []
+    for w, _, _, k_cache, v_cache, _, _ in layers:
+        # the same positions as layer 0's (one step of one batch): poison at and past them
+        want, k, v = reference(w, want.to(dtype), cos_sin, k_cache, v_cache, slot_ids, lens, scale)
+        want_caches.append((k, v))
+    ws = [w for w, *_ in layers]
+    programs = None if device == "cuda" else 1
+    outs = []
+    for apart in (False, True):
+        kcs = [l[3].clone() for l in layers]
+        vcs = [l[4].clone() for l in layers]
+        stack = dl.DecodeStack.build(ws, kcs, vcs)
+        out = dl.qwen3_decode_layers_triton(resid, stack, cos_sin, slot_ids, lens, scale, dl.LayerConfig(programs=programs, min_split_keys=16),
+                                            stages_apart=apart)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.float().cpu(), want, rtol=TOL[dtype] * 2, atol=TOL[dtype] * 2, msg=lambda m: f"apart={apart}: {m}")
+        for (k, v), kc, vc in zip(want_caches, kcs, vcs):
+            torch.testing.assert_close(written(kc, slot_ids, lens), written(k, slot_ids, lens), rtol=TOL[dtype] * 2, atol=TOL[dtype] * 2)
+            torch.testing.assert_close(written(vc, slot_ids, lens), written(v, slot_ids, lens), rtol=TOL[dtype] * 2, atol=TOL[dtype] * 2)
+        assert not dl._barriers.get(resid.device, 2).any(), "barrier words back at rest"
+        outs.append(out.clone())
+    assert torch.equal(outs[0], outs[1]), "one launch and the stages apart give the same bits"
+    print("decode layer stack ok")
+
+
 def check_graph(device):
     # Captured in a CUDA graph and replayed: the same bits as eager, step after step.
     g = torch.Generator().manual_seed(2)
@@ -128,9 +168,10 @@ def check_graph(device):
     scale = 128**-0.5
     eager = dl.qwen3_decode_layer_triton(resid, w, cos_sin, k_cache.clone(), v_cache.clone(), slot_ids, lens, scale)
     kc, vc = k_cache.clone(), v_cache.clone()
+    stack = dl.DecodeStack.build([w], [kc], [vc])  # its pointer table is made before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = dl.qwen3_decode_layer_triton(resid, w, cos_sin, kc, vc, slot_ids, lens, scale)
+        out = dl.qwen3_decode_layers_triton(resid, stack, cos_sin, slot_ids, lens, scale)
     for _ in range(50):
         graph.replay()
     torch.cuda.synchronize()
@@ -139,7 +180,7 @@ def check_graph(device):
 """
 
 
-CHECKS = {"check": "decode layer ok", "check_one_program": "decode layer one program ok"}
+CHECKS = {"check": "decode layer ok", "check_one_program": "decode layer one program ok", "check_stack": "decode layer stack ok"}
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))

@@ -150,7 +150,9 @@ def _shapes_fit(resid, w: LayerWeights, cos_sin_cache, k_cache, v_cache) -> bool
             and k_cache.dtype == v_cache.dtype == resid.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
             and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == d
             and cos_sin_cache.stride(1) == 1
-            and all(t.device == resid.device for t in (k_cache, v_cache, cos_sin_cache)))
+            and all(t.device == resid.device for t in (k_cache, v_cache, cos_sin_cache))
+            # the kernel reads the layer tensors through pointers loaded from a table, declared 16-byte aligned
+            and all(t.data_ptr() % 16 == 0 for t in (k_cache, v_cache, *(getattr(w, name) for name in shapes))))
 
 
 # Barrier words ([count, generation], at rest between barriers) and attention merge counters.
@@ -161,6 +163,38 @@ _attention_counters = LaunchCounters("fused decode layer attention", minimum=102
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@dataclass(frozen=True)
+class DecodeStack:
+    """A model's layers for `qwen3_decode_layers_triton`: their tensors' addresses in one int64
+    table [len(TABLES), num_layers] on the device (the kernel loads each layer's pointers from
+    it), and the tensors themselves, kept alive while the table points at them."""
+
+    layers: tuple[LayerWeights, ...]
+    k_caches: tuple[torch.Tensor, ...]
+    v_caches: tuple[torch.Tensor, ...]
+    table: torch.Tensor
+
+    TABLES = ("input_norm", "qkv", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down")  # then k_cache, v_cache
+
+    @classmethod
+    def build(cls, layers, k_caches, v_caches) -> "DecodeStack":
+        first = layers[0]
+        for w, k, v in zip(layers, k_caches, v_caches, strict=True):
+            same = (w.eps, w.num_heads, w.num_kv_heads, w.head_dim, w.down.shape) == (first.eps, first.num_heads, first.num_kv_heads,
+                                                                                      first.head_dim, first.down.shape)
+            if not same or k.shape != k_caches[0].shape:
+                raise ValueError("the fused decode layers need layers of one geometry and caches of one shape")
+        device = first.qkv.device
+        # NOTE: made on an eager step (the first decode), never while a CUDA graph is captured.
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "build the decode stack before graph capture"
+        rows = [[getattr(w, name).data_ptr() for w in layers] for name in cls.TABLES]
+        rows += [[t.data_ptr() for t in k_caches], [t.data_ptr() for t in v_caches]]
+        return cls(tuple(layers), tuple(k_caches), tuple(v_caches), torch.tensor(rows, dtype=torch.int64, device=device))
+
+    def fits(self, resid: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
+        return all(_shapes_fit(resid, w, cos_sin_cache, k, v) for w, k, v in zip(self.layers, self.k_caches, self.v_caches))
 
 
 def qwen3_decode_layer(resid: torch.Tensor, w: LayerWeights, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -174,10 +208,21 @@ def qwen3_decode_layer(resid: torch.Tensor, w: LayerWeights, cos_sin_cache: torc
 
 def qwen3_decode_layer_triton(resid, w: LayerWeights, cos_sin_cache, k_cache, v_cache, slots, context_lens, scale: float,
                               config: LayerConfig | None = None, stages_apart: bool | None = None) -> torch.Tensor:
-    """The kernel. `stages_apart`: one launch per stage (no grid barrier); None: apart under the
-    interpreter only. Checks `_shapes_fit` first (tests call this directly, on the interpreter)."""
+    """One layer through the kernel (a stack of one; `qwen3_decode_layers_triton`)."""
+    stack = DecodeStack.build([w], [k_cache], [v_cache])
+    return qwen3_decode_layers_triton(resid, stack, cos_sin_cache, slots, context_lens, scale, config, stages_apart)
+
+
+def qwen3_decode_layers_triton(resid, stack: DecodeStack, cos_sin_cache, slots, context_lens, scale: float,
+                               config: LayerConfig | None = None, stages_apart: bool | None = None) -> torch.Tensor:
+    """Every layer of `stack` in one launch: resid [M, H] into the first layer -> the residual
+    stream out of the last. `stages_apart`: one launch per layer and stage (no grid barrier);
+    None: apart under the interpreter, else as `config` says. Checks the shapes first (tests call
+    this directly, on the interpreter)."""
     c = config or LayerConfig()
-    assert _shapes_fit(resid, w, cos_sin_cache, k_cache, v_cache), "the fused decode layer does not take these tensors"
+    assert stack.fits(resid, cos_sin_cache), "the fused decode layer does not take these tensors"
+    w, k_cache = stack.layers[0], stack.k_caches[0]
+    num_layers = len(stack.layers)
     m, hidden = resid.shape
     d, hq, hkv = w.head_dim, w.num_heads, w.num_kv_heads
     inter = w.down.shape[1]
@@ -196,30 +241,31 @@ def qwen3_decode_layer_triton(resid, w: LayerWeights, cos_sin_cache, k_cache, v_
     block_n_keys = 64 if d <= 128 else 32
     splits = max(1, min(c.max_splits, programs // (m * hkv)))
     splits = 1 << (splits.bit_length() - 1)
+    resid_buf = torch.empty((2, m, hidden), dtype=resid.dtype, device=device)  # layer l reads [l % 2], writes [(l + 1) % 2]
+    resid_buf[0].copy_(resid)
     qkv = torch.empty((m, n_qkv), dtype=resid.dtype, device=device)
     attn = torch.empty((m, hq, d), dtype=resid.dtype, device=device)
     mid = torch.empty_like(resid)
     act = torch.empty((m, inter), dtype=resid.dtype, device=device)
-    out = torch.empty_like(resid)
     part_acc = torch.empty((m, hkv, splits, block_h, d), dtype=torch.float32, device=device)
     part_ml = torch.empty((m, hkv, splits, 2, block_h), dtype=torch.float32, device=device)
     counters = _attention_counters.get(device, m * hkv)
     barrier = _barriers.get(device, 2)
-    args = (resid, w.input_norm, w.qkv, qkv, w.q_norm, w.k_norm, cos_sin_cache, k_cache, v_cache, slots, context_lens, attn, part_acc,
-            part_ml, counters, w.o, mid, w.post_norm, w.gate_up, act, w.down, out, barrier,
-            m, hidden, hq * d, hkv * d, inter, k_cache.shape[1], hkv, group, cos_sin_cache.stride(0), w.eps, scale * decode_attention._LOG2E,
-            programs)
+    args = (resid_buf, stack.table, num_layers, qkv, cos_sin_cache, slots, context_lens, attn, part_acc, part_ml, counters, mid, act,
+            barrier, m, hidden, hq * d, hkv * d, inter, k_cache.shape[1], hkv, group, cos_sin_cache.stride(0), w.eps,
+            scale * decode_attention._LOG2E, programs)
     meta = dict(HIDDEN_BLOCK=triton.next_power_of_2(hidden), Q_BLOCK=triton.next_power_of_2(hq * d),
                 INTER_BLOCK=triton.next_power_of_2(inter), BLOCK_M=triton.next_power_of_2(m), HEAD_DIM=d,
                 QKV_BN=c.qkv_block_n, O_BN=c.o_block_n, MLP_BN=c.mlp_block_n, DOWN_BN=c.down_block_n,
                 NUM_SPLITS=splits, MIN_SPLIT_KEYS=c.min_split_keys, BLOCK_KEYS=block_n_keys, BLOCK_H=block_h,
                 num_warps=c.num_warps)
     if stages_apart:
-        for stage in range(_NUM_STAGES):
-            _decode_layer_kernel[(programs,)](*args, FIRST=stage, LAST=stage, **meta)
+        for layer in range(num_layers):
+            for stage in range(_NUM_STAGES):
+                _decode_layers_kernel[(programs,)](*args, layer, layer + 1, FIRST=stage, LAST=stage, BARRIERS=False, **meta)
     else:
-        _decode_layer_kernel[(programs,)](*args, FIRST=0, LAST=_NUM_STAGES - 1, **meta)
-    return out
+        _decode_layers_kernel[(programs,)](*args, 0, num_layers, FIRST=0, LAST=_NUM_STAGES - 1, BARRIERS=True, **meta)
+    return resid_buf[num_layers % 2]
 
 
 @_jit
@@ -322,82 +368,120 @@ def _mlp_tile(w_gate, w_up, t, mid_ptr, post_w_ptr, act_ptr, M, hidden, inter, e
 
 
 @_jit
-def _decode_layer_kernel(resid_ptr, in_w_ptr, w_qkv_ptr, qkv_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-                         lens_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, w_o_ptr, mid_ptr, post_w_ptr, w_gu_ptr, act_ptr,
-                         w_down_ptr, out_ptr, bar_ptr,
-                         M, hidden, n_q, n_kv, inter, max_len, num_kv_heads, group, stride_cs, eps, scale_log2, P,
-                         HIDDEN_BLOCK: tl.constexpr, Q_BLOCK: tl.constexpr, INTER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, QKV_BN: tl.constexpr, O_BN: tl.constexpr, MLP_BN: tl.constexpr,
-                         DOWN_BN: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
-                         BLOCK_KEYS: tl.constexpr, BLOCK_H: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+def _layer_ptr(table_ptr, which, num_layers, layer, like_ptr):
+    """Layer `layer`'s tensor number `which` of the stack's table, as a pointer like like_ptr's."""
+    ptr = tl.load(table_ptr + which * num_layers + layer).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    # A pointer loaded from memory carries no alignment facts; without them Triton reads the
+    # weights 2 bytes at a time (2x slower, measured). `_shapes_fit` checks the alignment.
+    return tl.multiple_of(ptr, 16)
+
+
+@_jit
+def _decode_layers_kernel(buf_ptr, table_ptr, num_layers, qkv_ptr, cos_sin_ptr, slots_ptr, lens_ptr, attn_ptr, part_acc_ptr, part_ml_ptr,
+                          counter_ptr, mid_ptr, act_ptr, bar_ptr,
+                          M, hidden, n_q, n_kv, inter, max_len, num_kv_heads, group, stride_cs, eps, scale_log2, P,
+                          layer_start, layer_end,
+                          HIDDEN_BLOCK: tl.constexpr, Q_BLOCK: tl.constexpr, INTER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, QKV_BN: tl.constexpr, O_BN: tl.constexpr, MLP_BN: tl.constexpr,
+                          DOWN_BN: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
+                          BLOCK_KEYS: tl.constexpr, BLOCK_H: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+                          BARRIERS: tl.constexpr):
+    """Stages FIRST..LAST of layers layer_start..layer_end-1. BARRIERS (every stage of every
+    layer in one launch): each stage ends with `_arrive`, and the next one loads its first weight
+    tile, then waits until all P programs have arrived (the g-th barrier of the launch waits for
+    g * P arrivals)."""
     pid = tl.program_id(0)
     n_qkv = n_q + 2 * n_kv
+    rows = M * hidden
+    for layer in range(layer_start, layer_end):
+        g = (layer - layer_start) * 5  # barriers before this layer's first stage
+        resid_ptr = buf_ptr + (layer % 2) * rows
+        out_ptr = buf_ptr + ((layer + 1) % 2) * rows
 
-    # -- stage 0: input norm + qkv projection --------------------------------------------------
-    if FIRST <= 0:
-        for t in range(pid, tl.cdiv(n_qkv, QKV_BN), P):
-            w = _weight_tile(w_qkv_ptr, t * QKV_BN, n_qkv, hidden, QKV_BN, HIDDEN_BLOCK)
-            _qkv_tile(w, t, resid_ptr, in_w_ptr, qkv_ptr, M, hidden, n_qkv, eps, BLOCK_M, QKV_BN, HIDDEN_BLOCK)
+        # -- stage 0: input norm + qkv projection ----------------------------------------------
+        if FIRST <= 0:
+            in_w_ptr = _layer_ptr(table_ptr, 0, num_layers, layer, buf_ptr)
+            w_qkv_ptr = _layer_ptr(table_ptr, 1, num_layers, layer, buf_ptr)
+            qkv_tiles = tl.cdiv(n_qkv, QKV_BN)
+            w = _weight_tile(w_qkv_ptr, pid * QKV_BN, n_qkv, hidden, QKV_BN, HIDDEN_BLOCK)
+            if BARRIERS:
+                if layer > layer_start:
+                    _wait(bar_ptr, g * P)
+            if pid < qkv_tiles:
+                _qkv_tile(w, pid, resid_ptr, in_w_ptr, qkv_ptr, M, hidden, n_qkv, eps, BLOCK_M, QKV_BN, HIDDEN_BLOCK)
+            for t in range(pid + P, qkv_tiles, P):
+                w = _weight_tile(w_qkv_ptr, t * QKV_BN, n_qkv, hidden, QKV_BN, HIDDEN_BLOCK)
+                _qkv_tile(w, t, resid_ptr, in_w_ptr, qkv_ptr, M, hidden, n_qkv, eps, BLOCK_M, QKV_BN, HIDDEN_BLOCK)
+            if BARRIERS:
+                _arrive(bar_ptr)
 
-    # -- stage 1: QK-norm + rotary + k/v store + attention ---------------------------------------
-    if FIRST <= 1 and LAST >= 1:
-        if FIRST < 1:
-            _arrive(bar_ptr)
-            _wait(bar_ptr, P)
-        items = M * num_kv_heads * NUM_SPLITS
-        for item in range(pid, items, P):
-            b = item // (num_kv_heads * NUM_SPLITS)
-            h = (item // NUM_SPLITS) % num_kv_heads
-            s = item % NUM_SPLITS
-            decode_attention.decode_program(
-                b, h, s, qkv_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, lens_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,
-                n_qkv, HEAD_DIM, max_len, num_kv_heads, group, HEAD_DIM, scale_log2,
-                qkv_ptr + n_q, qkv_ptr + n_q + n_kv, q_w_ptr, k_w_ptr, cos_sin_ptr, n_qkv, HEAD_DIM, n_qkv, HEAD_DIM, stride_cs, eps,
-                NUM_SPLITS, MIN_SPLIT_KEYS, BLOCK_KEYS, BLOCK_H, HEAD_DIM, False, True)
+        # -- stage 1: QK-norm + rotary + k/v store + attention -----------------------------------
+        if FIRST <= 1 and LAST >= 1:
+            q_w_ptr = _layer_ptr(table_ptr, 2, num_layers, layer, buf_ptr)
+            k_w_ptr = _layer_ptr(table_ptr, 3, num_layers, layer, buf_ptr)
+            k_cache_ptr = _layer_ptr(table_ptr, 8, num_layers, layer, buf_ptr)
+            v_cache_ptr = _layer_ptr(table_ptr, 9, num_layers, layer, buf_ptr)
+            if BARRIERS:
+                _wait(bar_ptr, (g + 1) * P)
+            items = M * num_kv_heads * NUM_SPLITS
+            for item in range(pid, items, P):
+                b = item // (num_kv_heads * NUM_SPLITS)
+                h = (item // NUM_SPLITS) % num_kv_heads
+                s = item % NUM_SPLITS
+                decode_attention.decode_program(
+                    b, h, s, qkv_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, lens_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,
+                    n_qkv, HEAD_DIM, max_len, num_kv_heads, group, HEAD_DIM, scale_log2,
+                    qkv_ptr + n_q, qkv_ptr + n_q + n_kv, q_w_ptr, k_w_ptr, cos_sin_ptr, n_qkv, HEAD_DIM, n_qkv, HEAD_DIM, stride_cs, eps,
+                    NUM_SPLITS, MIN_SPLIT_KEYS, BLOCK_KEYS, BLOCK_H, HEAD_DIM, False, True)
+            if BARRIERS:
+                _arrive(bar_ptr)
 
-    # -- stage 2: o projection + residual --------------------------------------------------------
-    if FIRST <= 2 and LAST >= 2:
-        o_tiles = tl.cdiv(hidden, O_BN)
-        # The first tile's weight is read between arriving at the barrier and waiting at it.
-        if FIRST < 2:
-            _arrive(bar_ptr)
-        w = _weight_tile(w_o_ptr, pid * O_BN, hidden, n_q, O_BN, Q_BLOCK)
-        if FIRST < 2:
-            _wait(bar_ptr, 2 * P)
-        if pid < o_tiles:
-            _add_tile(w, pid, attn_ptr, n_q, resid_ptr, mid_ptr, M, hidden, BLOCK_M, O_BN, Q_BLOCK)
-        for t in range(pid + P, o_tiles, P):
-            w = _weight_tile(w_o_ptr, t * O_BN, hidden, n_q, O_BN, Q_BLOCK)
-            _add_tile(w, t, attn_ptr, n_q, resid_ptr, mid_ptr, M, hidden, BLOCK_M, O_BN, Q_BLOCK)
+        # -- stage 2: o projection + residual ----------------------------------------------------
+        if FIRST <= 2 and LAST >= 2:
+            w_o_ptr = _layer_ptr(table_ptr, 4, num_layers, layer, buf_ptr)
+            o_tiles = tl.cdiv(hidden, O_BN)
+            w = _weight_tile(w_o_ptr, pid * O_BN, hidden, n_q, O_BN, Q_BLOCK)  # read while the others finish
+            if BARRIERS:
+                _wait(bar_ptr, (g + 2) * P)
+            if pid < o_tiles:
+                _add_tile(w, pid, attn_ptr, n_q, resid_ptr, mid_ptr, M, hidden, BLOCK_M, O_BN, Q_BLOCK)
+            for t in range(pid + P, o_tiles, P):
+                w = _weight_tile(w_o_ptr, t * O_BN, hidden, n_q, O_BN, Q_BLOCK)
+                _add_tile(w, t, attn_ptr, n_q, resid_ptr, mid_ptr, M, hidden, BLOCK_M, O_BN, Q_BLOCK)
+            if BARRIERS:
+                _arrive(bar_ptr)
 
-    # -- stage 3: post-attention norm + gate/up + SwiGLU -----------------------------------------
-    if FIRST <= 3 and LAST >= 3:
-        mlp_tiles = tl.cdiv(inter, MLP_BN)
-        if FIRST < 3:
-            _arrive(bar_ptr)
-        w_gate = _weight_tile(w_gu_ptr, pid * MLP_BN, inter, hidden, MLP_BN, HIDDEN_BLOCK)
-        w_up = _weight_tile(w_gu_ptr + inter * hidden, pid * MLP_BN, inter, hidden, MLP_BN, HIDDEN_BLOCK)
-        if FIRST < 3:
-            _wait(bar_ptr, 3 * P)
-        if pid < mlp_tiles:
-            _mlp_tile(w_gate, w_up, pid, mid_ptr, post_w_ptr, act_ptr, M, hidden, inter, eps, BLOCK_M, MLP_BN, HIDDEN_BLOCK)
-        for t in range(pid + P, mlp_tiles, P):
-            w_gate = _weight_tile(w_gu_ptr, t * MLP_BN, inter, hidden, MLP_BN, HIDDEN_BLOCK)
-            w_up = _weight_tile(w_gu_ptr + inter * hidden, t * MLP_BN, inter, hidden, MLP_BN, HIDDEN_BLOCK)
-            _mlp_tile(w_gate, w_up, t, mid_ptr, post_w_ptr, act_ptr, M, hidden, inter, eps, BLOCK_M, MLP_BN, HIDDEN_BLOCK)
+        # -- stage 3: post-attention norm + gate/up + SwiGLU -------------------------------------
+        if FIRST <= 3 and LAST >= 3:
+            post_w_ptr = _layer_ptr(table_ptr, 5, num_layers, layer, buf_ptr)
+            w_gu_ptr = _layer_ptr(table_ptr, 6, num_layers, layer, buf_ptr)
+            mlp_tiles = tl.cdiv(inter, MLP_BN)
+            w_gate = _weight_tile(w_gu_ptr, pid * MLP_BN, inter, hidden, MLP_BN, HIDDEN_BLOCK)
+            w_up = _weight_tile(w_gu_ptr + inter * hidden, pid * MLP_BN, inter, hidden, MLP_BN, HIDDEN_BLOCK)
+            if BARRIERS:
+                _wait(bar_ptr, (g + 3) * P)
+            if pid < mlp_tiles:
+                _mlp_tile(w_gate, w_up, pid, mid_ptr, post_w_ptr, act_ptr, M, hidden, inter, eps, BLOCK_M, MLP_BN, HIDDEN_BLOCK)
+            for t in range(pid + P, mlp_tiles, P):
+                w_gate = _weight_tile(w_gu_ptr, t * MLP_BN, inter, hidden, MLP_BN, HIDDEN_BLOCK)
+                w_up = _weight_tile(w_gu_ptr + inter * hidden, t * MLP_BN, inter, hidden, MLP_BN, HIDDEN_BLOCK)
+                _mlp_tile(w_gate, w_up, t, mid_ptr, post_w_ptr, act_ptr, M, hidden, inter, eps, BLOCK_M, MLP_BN, HIDDEN_BLOCK)
+            if BARRIERS:
+                _arrive(bar_ptr)
 
-    # -- stage 4: down projection + residual -----------------------------------------------------
-    if LAST >= 4:
-        down_tiles = tl.cdiv(hidden, DOWN_BN)
-        if FIRST < 4:
-            _arrive(bar_ptr)
-        w = _weight_tile(w_down_ptr, pid * DOWN_BN, hidden, inter, DOWN_BN, INTER_BLOCK)
-        if FIRST < 4:
-            _wait(bar_ptr, 4 * P)
-        if pid < down_tiles:
-            _add_tile(w, pid, act_ptr, inter, mid_ptr, out_ptr, M, hidden, BLOCK_M, DOWN_BN, INTER_BLOCK)
-        for t in range(pid + P, down_tiles, P):
-            w = _weight_tile(w_down_ptr, t * DOWN_BN, hidden, inter, DOWN_BN, INTER_BLOCK)
-            _add_tile(w, t, act_ptr, inter, mid_ptr, out_ptr, M, hidden, BLOCK_M, DOWN_BN, INTER_BLOCK)
-        if FIRST < 4:
-            _leave(bar_ptr, P)
+        # -- stage 4: down projection + residual -------------------------------------------------
+        if LAST >= 4:
+            w_down_ptr = _layer_ptr(table_ptr, 7, num_layers, layer, buf_ptr)
+            down_tiles = tl.cdiv(hidden, DOWN_BN)
+            w = _weight_tile(w_down_ptr, pid * DOWN_BN, hidden, inter, DOWN_BN, INTER_BLOCK)
+            if BARRIERS:
+                _wait(bar_ptr, (g + 4) * P)
+            if pid < down_tiles:
+                _add_tile(w, pid, act_ptr, inter, mid_ptr, out_ptr, M, hidden, BLOCK_M, DOWN_BN, INTER_BLOCK)
+            for t in range(pid + P, down_tiles, P):
+                w = _weight_tile(w_down_ptr, t * DOWN_BN, hidden, inter, DOWN_BN, INTER_BLOCK)
+                _add_tile(w, t, act_ptr, inter, mid_ptr, out_ptr, M, hidden, BLOCK_M, DOWN_BN, INTER_BLOCK)
+            if BARRIERS:
+                _arrive(bar_ptr)  # the next layer's qkv stage waits for it
+    if BARRIERS:
+        _leave(bar_ptr, P)

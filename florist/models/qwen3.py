@@ -152,7 +152,7 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, backend, attention) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.last_token_only = False
-        self._decode_weights: list[decode_layer.LayerWeights | None] | None = None  # made on the first decode step
+        self._decode_stack: decode_layer.DecodeStack | None = None  # made on the first fused decode step
 
     def forward(self, batch: RaggedBatch) -> torch.Tensor:
         residual = self.embed_tokens(batch.input_ids)
@@ -168,23 +168,26 @@ class Qwen3Model(nn.Module):
         return h
 
     def _decode_fused(self, residual: torch.Tensor, batch) -> torch.Tensor | None:
-        """A decode step of a few rows (generation) with each layer in one launch
-        (florist/kernels/decode_layer.py) and the final norm after; None where that does not
-        apply (host-side checks only: the step may be captured in a CUDA graph)."""
+        """A one-row decode step (generation) with every layer in one launch
+        (florist/kernels/decode_layer.py), then the final norm; None where that does not apply
+        (host-side checks only: the step may be captured in a CUDA graph)."""
         attn = self.layers[0].self_attn
         if not getattr(getattr(attn.attn, "decode_backend", None), "fuses_qk_norm_rope", False):
             return None
-        if self._decode_weights is None:
-            self._decode_weights = [layer.decode_layer_weights() for layer in self.layers]
-        weights = self._decode_weights
         cos_sin = attn.rotary.cos_sin_cache
-        if weights[0] is None or not decode_layer.applies(residual, weights[0], cos_sin, attn.attn.k_cache, attn.attn.v_cache):
+        if self._decode_stack is None or self._decode_stack.k_caches[0] is not attn.attn.k_cache:
+            weights = [layer.decode_layer_weights() for layer in self.layers]
+            if weights[0] is None or not decode_layer.applies(residual, weights[0], cos_sin, attn.attn.k_cache, attn.attn.v_cache):
+                return None
+            if any(w is None for w in weights):
+                return None
+            caches = [layer.self_attn.attn for layer in self.layers]
+            self._decode_stack = decode_layer.DecodeStack.build(weights, [a.k_cache for a in caches], [a.v_cache for a in caches])
+        stack = self._decode_stack
+        if not decode_layer.applies(residual, stack.layers[0], cos_sin, stack.k_caches[0], stack.v_caches[0]):
             return None
-        for layer, w in zip(self.layers, weights):
-            cached = layer.self_attn.attn
-            residual = decode_layer.qwen3_decode_layer_triton(residual, w, cos_sin, cached.k_cache, cached.v_cache, batch.slots,
-                                                              batch.context_lens, cached.scale)
-        return self.norm(residual)
+        out = decode_layer.qwen3_decode_layers_triton(residual, stack, cos_sin, batch.slots, batch.context_lens, attn.attn.scale)
+        return self.norm(out)
 
 
 class YesNoHead(nn.Module):
