@@ -1,9 +1,9 @@
-"""A whole Qwen3 decoder layer in one launch, for decode steps of a few rows.
+"""Every Qwen3 decoder layer of a one-row decode step in one launch.
 
 At batch 1 a decode step is ~28 x 5 kernels that each stream a few MB of weight, and inside a
 CUDA graph each costs a few microseconds more than its bytes (docs/kernels.md, "Few rows"). This
-kernel runs the layer's five stages in one launch of one program per SM, the stages separated by
-a grid-wide barrier instead of kernel boundaries:
+kernel runs all layers' stages in one launch of one program per SM, the stages separated by a
+grid-wide barrier instead of kernel boundaries. Per layer:
 
     stage 0  qkv     h = rms_norm(resid) * w_in          qkv[M, Nq + 2 Nkv] = h @ w_qkv.T
     stage 1  attn    QK-norm, rotary, k/v into the cache, attention over it     (decode_attention)
@@ -11,16 +11,20 @@ a grid-wide barrier instead of kernel boundaries:
     stage 3  mlp     h2 = rms_norm(mid) * w_post         act[M, I] = silu(h2 @ w_gate.T) * (h2 @ w_up.T)
     stage 4  down    out = act @ w_down.T + mid           (the next layer's resid)
 
-The layer takes and returns the residual stream (not a normed h, as the unfused layers pass):
+Layers come from a `DecodeStack`: an int64 table of each layer's tensor addresses, from which the
+kernel loads the layer's pointers (declared 16-byte aligned, which the host checks: a pointer
+loaded from memory otherwise carries no alignment facts and Triton reads 2 bytes at a time, 2x
+slower measured). The residual stream ping-pongs between two [M, H] buffers. The layer takes
+and returns the residual stream (not a normed h, as the unfused layers pass):
 each program normalises the few rows itself where a product needs them (stages 0 and 3), which
 costs nothing next to the weight it reads and saves the norm's own stage. The model applies its
 final norm after the last layer.
 
 Products (stages 0, 2, 3, 4) tile the output columns: program p takes tiles p, p + P, ... of
 [BLOCK_N, K] weight rows, reads each whole (every load of a tile in flight at once), and reduces
-along K in fp32 for each of the M rows. Where a stage has at most one tile per program its weight
-is loaded *before* the barrier that opens the stage (`PREFETCH`): weights do not depend on the
-step, so their read overlaps the wait for the stage before. Attention items (row, kv head,
+along K in fp32 for each of the M rows. A stage's first tile is loaded *before* the wait that
+opens it: weights do not depend on the step, so their read overlaps the wait for the stage
+before (for stage 0, the previous layer's down projection). Attention items (row, kv head,
 context slice) go round the programs the same way; the last slice of a (row, kv head) to finish
 merges them (decode_attention's counters).
 
@@ -35,10 +39,12 @@ All programs must be resident at once: the launch never has more programs than t
 must not run concurrently (one stream).
 
 Under Triton's interpreter the programs run one after another, so a barrier that waits for the
-others would never return: there each stage runs as a launch of its own (`stages_apart=True`,
-also a GPU option for A/B runs), and a one-program launch runs all stages through the barrier
-code. Rounding follows the unfused layer: products and sums rounded to the activation dtype where
-the unfused layer writes a tensor, the norms rounded as `norms.rms_norm_ref`, SwiGLU computed in
+others would never return: there each layer's stage runs as a launch of its own
+(`stages_apart=True`, also a GPU option for A/B runs: FLORIST_DECODE_LAYER=apart), and a
+one-program launch runs all stages through the barrier code.
+
+Rounding follows the unfused layer: products and sums rounded to the activation dtype where the
+unfused layer writes a tensor, the norms rounded as `norms.rms_norm_ref`, SwiGLU computed in
 fp32 from the fp32 gate/up sums as the skinny product's epilogue does. The reference
 (`qwen3_decode_layer_ref`) composes the torch references of those ops.
 """
@@ -155,7 +161,7 @@ def _shapes_fit(resid, w: LayerWeights, cos_sin_cache, k_cache, v_cache) -> bool
             and all(t.data_ptr() % 16 == 0 for t in (k_cache, v_cache, *(getattr(w, name) for name in shapes))))
 
 
-# Barrier words ([count, generation], at rest between barriers) and attention merge counters.
+# Barrier words ([arrivals, programs out], 0 between launches) and attention merge counters.
 _barriers = LaunchCounters("fused decode layer barrier", minimum=2)
 _attention_counters = LaunchCounters("fused decode layer attention", minimum=1024)
 
