@@ -374,6 +374,24 @@ def _mlp_tile(w_gate, w_up, t, mid_ptr, post_w_ptr, act_ptr, M, hidden, inter, e
 
 
 @_jit
+def _residual_stage(w_ptr, x_ptr, k_cols, res_ptr, out_ptr, M, hidden, bar_ptr, target, pid, P,
+                    BLOCK_M: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, BARRIERS: tl.constexpr):
+    """out = x @ w.T + res over this program's tiles (o_proj, down_proj): the first tile's weight
+    is read before the wait for `target` arrivals, and the stage ends with this program's arrival."""
+    tiles = tl.cdiv(hidden, BN)
+    w = _weight_tile(w_ptr, pid * BN, hidden, k_cols, BN, KB)  # read while the others finish
+    if BARRIERS:
+        _wait(bar_ptr, target)
+    if pid < tiles:
+        _add_tile(w, pid, x_ptr, k_cols, res_ptr, out_ptr, M, hidden, BLOCK_M, BN, KB)
+    for t in range(pid + P, tiles, P):
+        w = _weight_tile(w_ptr, t * BN, hidden, k_cols, BN, KB)
+        _add_tile(w, t, x_ptr, k_cols, res_ptr, out_ptr, M, hidden, BLOCK_M, BN, KB)
+    if BARRIERS:
+        _arrive(bar_ptr)
+
+
+@_jit
 def _layer_ptr(table_ptr, which, num_layers, layer, like_ptr):
     """Layer `layer`'s tensor number `which` of the stack's table, as a pointer like like_ptr's."""
     ptr = tl.load(table_ptr + which * num_layers + layer).to(tl.pointer_type(like_ptr.dtype.element_ty))
@@ -445,17 +463,8 @@ def _decode_layers_kernel(buf_ptr, table_ptr, num_layers, qkv_ptr, cos_sin_ptr, 
         # -- stage 2: o projection + residual ----------------------------------------------------
         if FIRST <= 2 and LAST >= 2:
             w_o_ptr = _layer_ptr(table_ptr, 4, num_layers, layer, buf_ptr)
-            o_tiles = tl.cdiv(hidden, O_BN)
-            w = _weight_tile(w_o_ptr, pid * O_BN, hidden, n_q, O_BN, Q_BLOCK)  # read while the others finish
-            if BARRIERS:
-                _wait(bar_ptr, (g + 2) * P)
-            if pid < o_tiles:
-                _add_tile(w, pid, attn_ptr, n_q, resid_ptr, mid_ptr, M, hidden, BLOCK_M, O_BN, Q_BLOCK)
-            for t in range(pid + P, o_tiles, P):
-                w = _weight_tile(w_o_ptr, t * O_BN, hidden, n_q, O_BN, Q_BLOCK)
-                _add_tile(w, t, attn_ptr, n_q, resid_ptr, mid_ptr, M, hidden, BLOCK_M, O_BN, Q_BLOCK)
-            if BARRIERS:
-                _arrive(bar_ptr)
+            _residual_stage(w_o_ptr, attn_ptr, n_q, resid_ptr, mid_ptr, M, hidden, bar_ptr, (g + 2) * P, pid, P,
+                            BLOCK_M, O_BN, Q_BLOCK, BARRIERS)
 
         # -- stage 3: post-attention norm + gate/up + SwiGLU -------------------------------------
         if FIRST <= 3 and LAST >= 3:
@@ -478,16 +487,8 @@ def _decode_layers_kernel(buf_ptr, table_ptr, num_layers, qkv_ptr, cos_sin_ptr, 
         # -- stage 4: down projection + residual -------------------------------------------------
         if LAST >= 4:
             w_down_ptr = _layer_ptr(table_ptr, 7, num_layers, layer, buf_ptr)
-            down_tiles = tl.cdiv(hidden, DOWN_BN)
-            w = _weight_tile(w_down_ptr, pid * DOWN_BN, hidden, inter, DOWN_BN, INTER_BLOCK)
-            if BARRIERS:
-                _wait(bar_ptr, (g + 4) * P)
-            if pid < down_tiles:
-                _add_tile(w, pid, act_ptr, inter, mid_ptr, out_ptr, M, hidden, BLOCK_M, DOWN_BN, INTER_BLOCK)
-            for t in range(pid + P, down_tiles, P):
-                w = _weight_tile(w_down_ptr, t * DOWN_BN, hidden, inter, DOWN_BN, INTER_BLOCK)
-                _add_tile(w, t, act_ptr, inter, mid_ptr, out_ptr, M, hidden, BLOCK_M, DOWN_BN, INTER_BLOCK)
-            if BARRIERS:
-                _arrive(bar_ptr)  # the next layer's qkv stage waits for it
+            # its arrival is what the next layer's qkv stage waits for
+            _residual_stage(w_down_ptr, act_ptr, inter, mid_ptr, out_ptr, M, hidden, bar_ptr, (g + 4) * P, pid, P,
+                            BLOCK_M, DOWN_BN, INTER_BLOCK, BARRIERS)
     if BARRIERS:
         _leave(bar_ptr, P)
