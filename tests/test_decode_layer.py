@@ -212,3 +212,22 @@ def test_decode_layer_takes_the_reference_on_cpu():
     want = decode_layer.qwen3_decode_layer_ref(resid, w, cos_sin, k_cache.clone(), v_cache.clone(), slot_ids, lens, 0.2)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch.isfinite(got).all()
+
+
+def test_decode_stack_checks_every_layer():
+    # The kernel reads layer tensors through pointers it declares 16-byte aligned: a misaligned or
+    # misshapen layer anywhere in the stack makes it not fit (the model then runs the unfused layers).
+    namespace: dict = {}
+    exec(CASES, namespace)
+    g = torch.Generator().manual_seed(5)
+    layers = [namespace["make"](g, 1, 64, 4, 2, 32, 96, 3, 40, torch.float16, "cpu", poison=False) for _ in range(3)]
+    resid, cos_sin = layers[0][1], layers[0][2]
+    ws, ks, vs = [l[0] for l in layers], [l[3] for l in layers], [l[4] for l in layers]
+    assert decode_layer.DecodeStack.build(ws, ks, vs).fits(resid, cos_sin)
+    shifted = torch.empty(ws[2].o.numel() + 1, dtype=torch.float16)[1:].view_as(ws[2].o)  # 2 bytes off
+    shifted.copy_(ws[2].o)
+    misaligned = [*ws[:2], decode_layer.LayerWeights(**{**vars(ws[2]), "o": shifted})]
+    assert not decode_layer.DecodeStack.build(misaligned, ks, vs).fits(resid, cos_sin)
+    odd = [*ws[:2], decode_layer.LayerWeights(**{**vars(ws[2]), "down": ws[2].down[:, :-1].contiguous()})]
+    with pytest.raises(ValueError, match="one geometry"):
+        decode_layer.DecodeStack.build(odd, ks, vs)

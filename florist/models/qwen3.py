@@ -182,7 +182,10 @@ class Qwen3Model(nn.Module):
             if any(w is None for w in weights):
                 return None
             caches = [layer.self_attn.attn for layer in self.layers]
-            self._decode_stack = decode_layer.DecodeStack.build(weights, [a.k_cache for a in caches], [a.v_cache for a in caches])
+            stack = decode_layer.DecodeStack.build(weights, [a.k_cache for a in caches], [a.v_cache for a in caches])
+            if not stack.fits(residual, cos_sin):  # every layer, once (a misaligned or odd one: the unfused layers)
+                return None
+            self._decode_stack = stack
         stack = self._decode_stack
         if not decode_layer.applies(residual, stack.layers[0], cos_sin, stack.k_caches[0], stack.v_caches[0]):
             return None
