@@ -231,3 +231,51 @@ def test_incremental_detokenizer_deltas_add_up(tied_dir):
             i += n
         pieces.append(detok.finish())
         assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_decode_runs_the_fused_layers_where_they_apply(tied_dir, monkeypatch):
+    """Where the fused decode step applies (the Triton kernel on CUDA), Qwen3 hands it the
+    residual stream and the whole layer stack, then applies the final norm. On the CPU a stand-in
+    runs the per-layer references over the same stack; the tokens are transformers'. The stack
+    is built once, on the first decode step, and a stack that does not fit is not retried."""
+    from florist.kernels import decode_layer as dl
+
+    builds, steps = [], []
+    build = dl.DecodeStack.build
+
+    def counted_build(*args):
+        builds.append(1)
+        return build(*args)
+
+    def stand_in(resid, stack, cos_sin, slots, context_lens, scale, config=None, stages_apart=None):
+        steps.append(resid.shape[0])
+        for w, k, v in zip(stack.layers, stack.k_caches, stack.v_caches):
+            resid = dl.qwen3_decode_layer_ref(resid, w, cos_sin, k, v, slots, context_lens, scale)
+        return resid
+
+    monkeypatch.setattr(dl.DecodeStack, "build", staticmethod(counted_build))
+    monkeypatch.setattr(dl.DecodeStack, "fits", lambda self, resid, cos_sin: True)  # fp32 on the CPU: the kernel would refuse
+    monkeypatch.setattr(dl, "applies", lambda *args: True)
+    monkeypatch.setattr(dl, "qwen3_decode_layers_triton", stand_in)
+    engine = florist.Engine.from_pretrained(tied_dir, device="cpu", generation=GenerationConfig(decode_attention="triton"))
+    prompts = prompts_for(tied_dir, lens=(5, 17))
+    got = [r.token_ids for r in engine.generate(prompts, max_tokens=8)]
+    assert got == reference(tied_dir, prompts, 8)
+    assert steps and len(builds) == 1, (steps, builds)
+    # The final norm's weight is all ones here, which leaves the argmax blind to it: with a
+    # weight of unequal entries the fused path must still give the unfused path's tokens.
+    plain = florist.Engine.from_pretrained(tied_dir, device="cpu", generation=GenerationConfig(decode_attention="torch"))
+    for e in (engine, plain):
+        norm = e.runner.runner.model.model.norm.weight
+        norm.data.copy_(torch.linspace(0.1, 3.0, norm.numel()).flip(0) ** 2)
+    got = [r.token_ids for r in engine.generate(prompts, max_tokens=16)]
+    assert got == [r.token_ids for r in plain.generate(prompts, max_tokens=16)]
+
+    # A stack that does not fit: the unfused layers run, and the build is not tried again.
+    builds.clear()
+    steps.clear()
+    monkeypatch.setattr(dl.DecodeStack, "fits", lambda self, resid, cos_sin: False)
+    engine = florist.Engine.from_pretrained(tied_dir, device="cpu", generation=GenerationConfig(decode_attention="triton"))
+    got = [r.token_ids for r in engine.generate(prompts, max_tokens=8)]
+    assert got == reference(tied_dir, prompts, 8)
+    assert not steps and len(builds) == 1, (steps, builds)

@@ -107,19 +107,19 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(h, residual, next_norm)
 
     def decode_layer_weights(self) -> decode_layer.LayerWeights | None:
-        """The layer's tensors for the one-launch decode layer (florist/kernels/decode_layer.py);
-        None where it cannot run it: biases, or tensor parallelism (its products need all-reduces)."""
+        """The layer's tensors for the fused decode step (florist/kernels/decode_layer.py); None
+        where it cannot run them: biases, tensor parallelism (its products need all-reduces), or
+        norms of different eps."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(lin.bias is not None or lin.tp_size > 1 for lin in linears) or attn.q_norm.eps != self.input_layernorm.eps:
-            return None
-        if not (attn.k_norm.eps == self.post_attention_layernorm.eps == self.input_layernorm.eps):
+        eps = self.input_layernorm.eps
+        if any(lin.bias is not None or lin.tp_size > 1 for lin in linears) or {attn.q_norm.eps, attn.k_norm.eps,
+                                                                              self.post_attention_layernorm.eps} != {eps}:
             return None
         return decode_layer.LayerWeights(
             input_norm=self.input_layernorm.weight, qkv=attn.qkv_proj.weight, q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
             o=attn.o_proj.weight, post_norm=self.post_attention_layernorm.weight, gate_up=mlp.gate_up_proj.weight,
-            down=mlp.down_proj.weight, eps=self.input_layernorm.eps, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim)
+            down=mlp.down_proj.weight, eps=eps, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
 
     def forward_last(self, h: torch.Tensor, residual: torch.Tensor, batch: RaggedBatch, next_norm: RMSNorm):
         """The layer for each sequence's last token only (its keys/values still come from every
@@ -152,7 +152,8 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, backend, attention) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.last_token_only = False
-        self._decode_stack: decode_layer.DecodeStack | None = None  # made on the first fused decode step
+        self._decode_stack: decode_layer.DecodeStack | None = None  # made on the first decode step (see _decode_fused)
+        self._decode_stack_cache: torch.Tensor | None = None  # the KV cache it was made for
 
     def forward(self, batch: RaggedBatch) -> torch.Tensor:
         residual = self.embed_tokens(batch.input_ids)
@@ -170,27 +171,30 @@ class Qwen3Model(nn.Module):
     def _decode_fused(self, residual: torch.Tensor, batch) -> torch.Tensor | None:
         """A one-row decode step (generation) with every layer in one launch
         (florist/kernels/decode_layer.py), then the final norm; None where that does not apply
-        (host-side checks only: the step may be captured in a CUDA graph)."""
+        (host-side checks only: the step may be captured in a CUDA graph).
+
+        The layers' pointer table is built once per KV cache, on the first decode step (always
+        eager: graphs are captured on a bucket's second sight); None is kept where the layers do
+        not fit it, so no later step (or capture) tries again."""
         attn = self.layers[0].self_attn
         if not getattr(getattr(attn.attn, "decode_backend", None), "fuses_qk_norm_rope", False):
             return None
         cos_sin = attn.rotary.cos_sin_cache
-        if self._decode_stack is None or self._decode_stack.k_caches[0] is not attn.attn.k_cache:
-            weights = [layer.decode_layer_weights() for layer in self.layers]
-            if weights[0] is None or not decode_layer.applies(residual, weights[0], cos_sin, attn.attn.k_cache, attn.attn.v_cache):
-                return None
-            if any(w is None for w in weights):
-                return None
-            caches = [layer.self_attn.attn for layer in self.layers]
-            stack = decode_layer.DecodeStack.build(weights, [a.k_cache for a in caches], [a.v_cache for a in caches])
-            if not stack.fits(residual, cos_sin):  # every layer, once (a misaligned or odd one: the unfused layers)
-                return None
-            self._decode_stack = stack
+        if self._decode_stack_cache is not attn.attn.k_cache:
+            self._decode_stack_cache, self._decode_stack = attn.attn.k_cache, self._build_decode_stack(residual, cos_sin)
         stack = self._decode_stack
-        if not decode_layer.applies(residual, stack.layers[0], cos_sin, stack.k_caches[0], stack.v_caches[0]):
+        if stack is None or not decode_layer.applies(residual, stack.layers[0], cos_sin, stack.k_caches[0], stack.v_caches[0]):
             return None
         out = decode_layer.qwen3_decode_layers_triton(residual, stack, cos_sin, batch.slots, batch.context_lens, attn.attn.scale)
         return self.norm(out)
+
+    def _build_decode_stack(self, residual: torch.Tensor, cos_sin: torch.Tensor) -> decode_layer.DecodeStack | None:
+        weights = [layer.decode_layer_weights() for layer in self.layers]
+        if any(w is None for w in weights):
+            return None
+        caches = [layer.self_attn.attn for layer in self.layers]
+        stack = decode_layer.DecodeStack.build(weights, [a.k_cache for a in caches], [a.v_cache for a in caches])
+        return stack if stack.fits(residual, cos_sin) else None  # every layer (a misaligned or odd one: the unfused layers)
 
 
 class YesNoHead(nn.Module):
