@@ -71,12 +71,16 @@ def _streamed(client, prompt, **kw):
 
 def test_streaming_with_the_openai_client_equals_engine_generate(client, lm_engine, lm_dir):
     id_prompts = prompts_for(lm_dir, (1, 7, 30), seed=11)
+    pieces = []
     for prompt, budget in [(TEXTS[0], 24), (TEXTS[1], 5), (id_prompts[0], 16), (id_prompts[2], 40)]:
         want = lm_engine.generate([prompt], max_tokens=budget)[0]
         events, choices = _streamed(client, prompt, max_tokens=budget)
         assert choices == {0: (want.token_ids, want.text, "length")}
         assert len({(e.id, e.created, e.model, e.object) for e in events}) == 1 and events[0].object == "text_completion"
-        assert len(events) > 2, "text should arrive in pieces"
+        pieces.append(len(events))
+    # The server sends whatever tokens are ready in one chunk, so on a busy 2-core host one short
+    # answer may come whole; across these four (85 tokens) the text must have come in pieces.
+    assert max(pieces) > 2, f"text should arrive in pieces: events per answer {pieces}"
     # Several prompts in one request: interleaved events, one choice index per prompt, usage last.
     events, choices = _streamed(client, TEXTS, max_tokens=12, stream_options={"include_usage": True})
     want = lm_engine.generate(TEXTS, max_tokens=12)
