@@ -231,3 +231,20 @@ def test_decode_stack_checks_every_layer():
     odd = [*ws[:2], decode_layer.LayerWeights(**{**vars(ws[2]), "down": ws[2].down[:, :-1].contiguous()})]
     with pytest.raises(ValueError, match="one geometry"):
         decode_layer.DecodeStack.build(odd, ks, vs)
+
+
+def test_programs_never_outnumber_the_sms_this_process_holds(monkeypatch):
+    # All programs must be resident at once (the grid barrier): under CUDA MPS with a thread
+    # percentage the process holds only that share of the SMs.
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
+    for share, want in ((None, 132), ("50", 66), ("12.5", 16), ("0.1", 1), ("200", 132), ("lots", 1)):
+        decode_layer._sm_count.cache_clear()
+        if share is None:
+            monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", share)
+        assert decode_layer._sm_count(0) == want, share
+    decode_layer._sm_count.cache_clear()

@@ -34,8 +34,9 @@ until the counter reaches (stage) x P). The next stage's weight is loaded betwee
 read overlaps the wait and the arrival does not wait for it (a release waits for the thread's
 outstanding loads). The counter only grows within a launch; the last program to leave (a second
 counter, `_leave`) puts both words back to 0, so every launch and graph replay finds them at rest.
-All programs must be resident at once: the launch never has more programs than the GPU has SMs
-(one program fits on an SM whenever the kernel compiles), and launches sharing the barrier words
+All programs must be resident at once: the launch never has more programs than the SMs the
+process holds (`_sm_count`: MIG slices and CUDA MPS shares included; one program fits on an SM
+whenever the kernel compiles), and launches sharing the barrier words
 must not run concurrently (one stream).
 
 Under Triton's interpreter the programs run one after another, so a barrier that waits for the
@@ -168,7 +169,17 @@ _attention_counters = LaunchCounters("fused decode layer attention", minimum=102
 
 @functools.cache
 def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    """SMs this process can hold at once: all of the device's (a MIG slice reports its own), or
+    the share that CUDA MPS grants (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE). A launch with more
+    programs than that would wait forever at its first barrier."""
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    if share:
+        try:
+            sms = max(1, int(sms * min(100.0, float(share)) / 100))
+        except ValueError:
+            sms = 1  # unreadable: one program is always resident
+    return sms
 
 
 @dataclass(frozen=True)
