@@ -3,17 +3,11 @@ under Triton's interpreter on the CPU, compiled on CUDA (skipped without it)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from florist.kernels.decode_attention import decode_attention, decode_attention_ref, num_splits
-
-ROOT = Path(__file__).resolve().parent.parent
 
 CASES = """
 import math
@@ -146,12 +140,7 @@ CHECKS = {"check": "decode attention ok", "check_rope": "decode attention with q
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_decode_attention_interpreted(check):
-    triton = pytest.importorskip("triton")
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-        pytest.skip("Triton < 3.9's interpreter cannot take a loop trip count loaded from memory (compiled kernels can)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", CASES + f"\n{check}('cpu')"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and CHECKS[check] in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run_interpreted(CASES, f"{check}('cpu')", CHECKS[check], timeout=600)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -4,17 +4,11 @@ program running every stage through the grid barrier), compiled on CUDA (skipped
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from florist.kernels import decode_layer
-
-ROOT = Path(__file__).resolve().parent.parent
 
 CASES = """
 import math
@@ -185,12 +179,7 @@ CHECKS = {"check": "decode layer ok", "check_one_program": "decode layer one pro
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_decode_layer_interpreted(check):
-    triton = pytest.importorskip("triton")
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-        pytest.skip("Triton < 3.9's interpreter cannot take a loop trip count loaded from memory (compiled kernels can)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", CASES + f"\n{check}('cpu')"], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and CHECKS[check] in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run_interpreted(CASES, f"{check}('cpu')", CHECKS[check], timeout=900)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -201,17 +190,17 @@ def test_decode_layer_compiled(check):
     namespace[check]("cuda")
 
 
-def test_decode_layer_takes_the_reference_on_cpu():
+def test_decode_layer_is_for_one_row_on_cuda_only():
+    # On the CPU (and for more rows than MAX_ROWS) the model runs its unfused layers, whose
+    # composition is the reference: it writes this step's k/v and stays finite.
     namespace: dict = {}
     exec(CASES, namespace)
     g = torch.Generator().manual_seed(3)
     w, resid, cos_sin, k_cache, v_cache, slot_ids, lens = namespace["make"](g, 2, 64, 4, 2, 32, 96, 3, 40, torch.float32, "cpu", poison=False)
-    assert not decode_layer.applies(resid, w, cos_sin, k_cache, v_cache)
-    kc, vc = k_cache.clone(), v_cache.clone()
-    got = decode_layer.qwen3_decode_layer(resid, w, cos_sin, kc, vc, slot_ids, lens, 0.2)
-    want = decode_layer.qwen3_decode_layer_ref(resid, w, cos_sin, k_cache.clone(), v_cache.clone(), slot_ids, lens, 0.2)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert torch.isfinite(got).all()
+    assert not decode_layer.applies(resid) and not decode_layer.applies(resid[:1])
+    kc = k_cache.clone()
+    got = decode_layer.qwen3_decode_layer_ref(resid, w, cos_sin, kc, v_cache.clone(), slot_ids, lens, 0.2)
+    assert torch.isfinite(got).all() and not torch.equal(kc, k_cache)
 
 
 def test_decode_stack_checks_every_layer():

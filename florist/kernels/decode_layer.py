@@ -131,11 +131,10 @@ def qwen3_decode_layer_ref(resid: torch.Tensor, w: LayerWeights, cos_sin_cache: 
     return F.linear(act, w.down) + mid
 
 
-def applies(resid: torch.Tensor, w: LayerWeights, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Host-side checks only (safe in CUDA graphs): Triton on CUDA, 16-bit activations, at most
-    MAX_ROWS rows, and tensors of the shapes `_shapes_fit` takes."""
-    return (ENABLED and triton is not None and resid.is_cuda and resid.dim() == 2 and 0 < resid.shape[0] <= MAX_ROWS
-            and _shapes_fit(resid, w, cos_sin_cache, k_cache, v_cache))
+def applies(resid: torch.Tensor) -> bool:
+    """Per step, host-side only (safe in CUDA graphs): Triton on CUDA and 1..MAX_ROWS rows. Whether
+    a model's layers fit the kernel is `DecodeStack.fits`, checked once when the stack is built."""
+    return ENABLED and triton is not None and resid.is_cuda and resid.dim() == 2 and 0 < resid.shape[0] <= MAX_ROWS
 
 
 def _shapes_fit(resid, w: LayerWeights, cos_sin_cache, k_cache, v_cache) -> bool:
@@ -214,15 +213,6 @@ class DecodeStack:
         return all(_shapes_fit(resid, w, cos_sin_cache, k, v) for w, k, v in zip(self.layers, self.k_caches, self.v_caches))
 
 
-def qwen3_decode_layer(resid: torch.Tensor, w: LayerWeights, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """resid [M, H] (the residual stream into the layer) -> the residual stream out of it; this
-    step's k/v are written into the caches at position context_lens - 1 of each row's slot."""
-    if applies(resid, w, cos_sin_cache, k_cache, v_cache):
-        return qwen3_decode_layer_triton(resid, w, cos_sin_cache, k_cache, v_cache, slots, context_lens, scale)
-    return qwen3_decode_layer_ref(resid, w, cos_sin_cache, k_cache, v_cache, slots, context_lens, scale)
-
-
 def qwen3_decode_layer_triton(resid, w: LayerWeights, cos_sin_cache, k_cache, v_cache, slots, context_lens, scale: float,
                               config: LayerConfig | None = None, stages_apart: bool | None = None) -> torch.Tensor:
     """One layer through the kernel (a stack of one; `qwen3_decode_layers_triton`)."""
@@ -234,11 +224,11 @@ def qwen3_decode_layers_triton(resid, stack: DecodeStack, cos_sin_cache, slots, 
                                config: LayerConfig | None = None, stages_apart: bool | None = None) -> torch.Tensor:
     """Every layer of `stack` in one launch: resid [M, H] into the first layer -> the residual
     stream out of the last. `stages_apart`: one launch per layer and stage (no grid barrier);
-    None: apart under the interpreter, else as `config` says. Checks the shapes first (tests call
-    this directly, on the interpreter)."""
+    None: apart under the interpreter, else as `config` says. The stack's layers were checked when
+    it was built (`DecodeStack.fits`); here only the step's tensors against its first layer."""
     c = config or LayerConfig()
-    assert stack.fits(resid, cos_sin_cache), "the fused decode layer does not take these tensors"
     w, k_cache = stack.layers[0], stack.k_caches[0]
+    assert _shapes_fit(resid, w, cos_sin_cache, k_cache, stack.v_caches[0]), "the fused decode layer does not take these tensors"
     num_layers = len(stack.layers)
     m, hidden = resid.shape
     d, hq, hkv = w.head_dim, w.num_heads, w.num_kv_heads

@@ -183,7 +183,7 @@ class Qwen3Model(nn.Module):
         if self._decode_stack_cache is not attn.attn.k_cache:
             self._decode_stack_cache, self._decode_stack = attn.attn.k_cache, self._build_decode_stack(residual, cos_sin)
         stack = self._decode_stack
-        if stack is None or not decode_layer.applies(residual, stack.layers[0], cos_sin, stack.k_caches[0], stack.v_caches[0]):
+        if stack is None or not decode_layer.applies(residual):
             return None
         out = decode_layer.qwen3_decode_layers_triton(residual, stack, cos_sin, batch.slots, batch.context_lens, attn.attn.scale)
         return self.norm(out)
