@@ -1,6 +1,7 @@
 """Device kernels per step, by name: what a forward (or a decode token) is made of on the GPU.
 
-    python bench/profile_kernels.py            # Qwen3-0.6B 1 x 128 / 1 x 512 / 100 x 512, MiniLM 1 x 128, decode
+    python bench/profile_kernels.py                 # Qwen3-0.6B 1 x 128 / 1 x 512 / 100 x 512, MiniLM 1 x 128, decode
+    python bench/profile_kernels.py --only minilm   # one part: qwen3, minilm, decode (comma list)
 
 Runs the torch profiler (CUDA activity only; kernels inside CUDA-graph replays are recorded too)
 over several steps after warm-up and prints, per kernel name, launches per step, average us and
@@ -10,6 +11,7 @@ named geometries, as bench/engine.py builds them.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +30,15 @@ from florist.engine.batch import HostBatch  # noqa: E402
 from florist.engine.generation.config import GenerationConfig  # noqa: E402
 
 
+PARTS = ("qwen3", "minilm", "decode")
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)} (default: all)")
+    parts = set(filter(None, ap.parse_args().only.split(",")))
+    if parts - set(PARTS):
+        ap.error(f"unknown parts {sorted(parts - set(PARTS))}; choose from {', '.join(PARTS)}")
     if not torch.cuda.is_available():
         print("bench/profile_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -36,6 +46,8 @@ def main() -> int:
     rng = np.random.default_rng(0)
     for geometry, dtype, name, shapes in (("qwen3-0.6b", torch.bfloat16, "qwen3", [(1, 128), (1, 512), (100, 512)]),
                                           ("minilm-l6", torch.float16, "minilm", [(1, 128)])):
+        if name not in parts:
+            continue
         engine = Engine.from_pretrained(make_model(tmp / name, geometry, dtype=dtype), device="cuda", dtype=dtype)
         for n, length in shapes:
             host = HostBatch.from_sequences([rng.integers(0, engine.info.vocab_size, length).astype(np.int32) for _ in range(n)])
@@ -48,6 +60,8 @@ def main() -> int:
             print_kernel_table(prof, steps, f"{name} {n} x {length}")
         del engine
         torch.cuda.empty_cache()
+    if "decode" not in parts:
+        return 0
     engine = Engine.from_pretrained(make_model(tmp / "lm", "qwen3-0.6b", variant="reranker"), device="cuda", dtype=torch.bfloat16,
                                     generation=GenerationConfig(max_num_seqs=4, max_model_len=512))
     prompt = rng.integers(0, engine.info.vocab_size, 64).tolist()

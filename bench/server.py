@@ -18,7 +18,9 @@ and a Health round trip with each (it never touches the engine) shows the gRPC f
 runs on uvloop when it is installed (the table's last line says), the bench's clients on asyncio.
 The server runs with --timing-metadata, so each sync Embed and Health round trip is also cut in
 three by its handler's entry and exit (same host, same monotonic clock): client to handler, in
-the handler, handler to client.
+the handler, handler to client. A last latency row runs the server's Batcher in this process on
+its own event loop (uvloop when installed, as the server), with no gRPC: what the scheduling and
+event-loop layer costs over direct step(), apart from the transport.
 
 Outputs are checked before timing (cosine >= 0.999 against the embedded API). The server is run
 once per --spin-ms value (how long it polls a launched batch before waiting in a thread), so
@@ -122,6 +124,7 @@ def direct(engine, w) -> dict:
            "single": [len(w.seqs) * w.rounds / run_batches(engine, single)],
            "multi": [w.seqs_per_request * len(w.multi) / run_batches(engine, multi)]}
     out["latency"] = direct_latency(engine, w.latency_seq, w.latency_n, w.warmup)
+    out["batcher"] = batcher_latency(engine, w)
     return out
 
 
@@ -129,6 +132,30 @@ def direct_latency(engine, seq: np.ndarray, n: int, warmup: int) -> list[float]:
     from florist.engine.batch import HostBatch
 
     return times_ms(lambda: engine.step(HostBatch.from_sequences([seq])).numpy(), n, warmup)
+
+
+def batcher_latency(engine, w) -> list[float]:
+    """Batch-1 round trips through the server's Batcher in this process, no gRPC (ms)."""
+    from florist.server.batcher import Batcher
+    from florist.server.cli import _run_loop
+    from florist.server.scheduler import Scheduler
+
+    async def measure() -> list[float]:
+        batcher = Batcher(engine, Scheduler(w.max_batch_tokens, 256, 1 << 22), spin_s=float(w.spin_ms.split(",")[0]) / 1e3)
+        batcher.start()
+        lens = np.asarray([len(w.latency_seq)], dtype=np.int32)
+        try:
+            return await atimes_ms(lambda: batcher.run(w.latency_seq, lens), w.latency_n, w.warmup)
+        finally:
+            await batcher.stop()
+
+    out: list[list[float]] = []
+    _run_loop(_collect(measure(), out))
+    return out[0]
+
+
+async def _collect(coro, out: list) -> None:
+    out.append(await coro)
 
 
 # -- through the server ---------------------------------------------------------------------------
@@ -360,6 +387,10 @@ def report(info, w, d: dict, served: dict) -> None:
                 ms = percentiles(res[key])[q]
                 row += f"{f'{ms:.3f} ({ms - d_lat[q]:+.3f})':>22}{ms / d_lat[q]:>8.3f}"
             print(row)
+    b_lat = percentiles(d["batcher"])
+    row = f"{f'same through the Batcher in this process (no gRPC, spin {float(w.spin_ms.split(chr(44))[0]):g} ms), p50 / p99, ms':<66}"
+    row += f"{b_lat['p50']:>8.3f} / {b_lat['p99']:.3f} ({b_lat['p50'] - d_lat['p50']:+.3f} p50)"
+    print(row)
     for key, client in (("health_sync", "sync gRPC client"), ("health_aio", "grpc.aio client")):
         row = f"{f'Health round trip p50, ms, {client} (the gRPC floor)':<66}{'-':>14}"
         for res in served.values():
