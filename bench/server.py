@@ -349,7 +349,11 @@ def main(argv: list[str] | None = None) -> int:
         for spin in [float(x) for x in w.spin_ms.split(",")]:
             server = ServerProcess(model, device, w.dtype, w.max_batch_tokens, spin)
             try:
+                # Direct step() again while the server process is up (idle): a second process on
+                # the device can slow this one's steps, which would not be the server's cost.
+                alongside = direct_latency(engine, w.latency_seq, w.latency_n, w.warmup)
                 served[spin] = asyncio.run(through_server(server.address, engine, w))
+                served[spin]["direct_alongside"] = alongside
                 served[spin]["event_loop"] = server.event_loop
                 served[spin].update(sync_client_latency(server.address, w, server.metrics_url))
             finally:
@@ -387,9 +391,16 @@ def report(info, w, d: dict, served: dict) -> None:
                 ms = percentiles(res[key])[q]
                 row += f"{f'{ms:.3f} ({ms - d_lat[q]:+.3f})':>22}{ms / d_lat[q]:>8.3f}"
             print(row)
-    b_lat = percentiles(d["batcher"])
-    row = f"{f'same through the Batcher in this process (no gRPC, spin {float(w.spin_ms.split(chr(44))[0]):g} ms), p50 / p99, ms':<66}"
+    b_lat, spin = percentiles(d["batcher"]), float(w.spin_ms.split(",")[0])
+    label = f"same through the Batcher in this process (no gRPC, spin {spin:g} ms), p50 / p99, ms"
+    row = f"{label:<66}"
     row += f"{b_lat['p50']:>8.3f} / {b_lat['p99']:.3f} ({b_lat['p50'] - d_lat['p50']:+.3f} p50)"
+    print(row)
+    row = f"{'direct step() p50 / p99 while the server process is up (idle), ms':<66}{'-':>14}"
+    for res in served.values():
+        a = percentiles(res["direct_alongside"])
+        cell = f"{a['p50']:.3f} / {a['p99']:.3f}"
+        row += f"{cell:>22}{'':>8}"
     print(row)
     for key, client in (("health_sync", "sync gRPC client"), ("health_aio", "grpc.aio client")):
         row = f"{f'Health round trip p50, ms, {client} (the gRPC floor)':<66}{'-':>14}"
