@@ -6,7 +6,10 @@
 Runs the torch profiler (CUDA activity only; kernels inside CUDA-graph replays are recorded too)
 over several steps after warm-up and prints, per kernel name, launches per step, average us and
 us per step, with the total kernel count and kernel time per step. Random-weight models of the
-named geometries, as bench/engine.py builds them.
+named geometries, as bench/engine.py builds them. For batch-1 shapes it also prints the host
+side of a step: how long `step()` takes to return (p50 over 300 steps, no profiler running) and,
+from a CPU profile, the host time per step of each CUDA runtime call (cudaGraphLaunch is the
+graph's launch; a step's device work overlaps it).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +35,24 @@ from florist.engine.generation.config import GenerationConfig  # noqa: E402
 
 
 PARTS = ("qwen3", "minilm", "decode")
+
+
+def host_side(engine: Engine, host: HostBatch, title: str, n: int = 300) -> None:
+    """Host time until step() returns, and CUDA runtime calls per step (CPU profile)."""
+    launch = []
+    for _ in range(n):
+        t = time.perf_counter()
+        lazy = engine.step(host)
+        launch.append((time.perf_counter() - t) * 1e6)
+        lazy.numpy()
+    steps = 100
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step(host).numpy()
+    print(f"-- {title}, host: step() returns after {np.percentile(launch, 50):.1f} us (p50 of {n}); CUDA runtime calls per step:")
+    calls = sorted((e for e in prof.key_averages() if e.key.startswith("cuda")), key=lambda e: -e.self_cpu_time_total)
+    for e in calls[:8]:
+        print(f"{e.count / steps:7.1f}/step {e.self_cpu_time_total / e.count:8.2f} us avg  {e.key}")
 
 
 def main() -> int:
@@ -58,6 +80,8 @@ def main() -> int:
                 for _ in range(steps):
                     engine.step(host).numpy()
             print_kernel_table(prof, steps, f"{name} {n} x {length}")
+            if n == 1:
+                host_side(engine, host, f"{name} {n} x {length}")
         del engine
         torch.cuda.empty_cache()
     if "decode" not in parts:
