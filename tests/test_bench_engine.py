@@ -34,6 +34,11 @@ def test_profile_kernels_refuses_without_cuda():
     assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_profile_kernels_refuses_unknown_parts():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_kernels.py"), "--only", "minilm,bert"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown parts ['bert']" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_print_kernel_table_counts_per_step(capsys):
     """bench/report.py's kernel table (bench/profile_kernels.py, bench/engine.py --only profile)."""
     from types import SimpleNamespace
