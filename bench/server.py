@@ -22,7 +22,8 @@ the handler, handler to client. A last latency row runs the server's Batcher in 
 its own event loop (uvloop when installed, as the server), with no gRPC: what the scheduling and
 event-loop layer costs over direct step(), apart from the transport.
 
-Outputs are checked before timing (cosine >= 0.999 against the embedded API). The server is run
+Outputs are checked before timing (cosine >= 0.999 against the embedded API). With --busy-poll
+on (or both) the server runs with --busy-poll (its event loop never sleeps). The server is run
 once per --spin-ms value (how long it polls a launched batch before waiting in a thread), so
 the cheaper way to await results shows in the table.
 
@@ -60,9 +61,11 @@ def percentiles(ms: list[float]) -> dict[str, float]:
 class ServerProcess:
     """`python -m florist.server` on a free port; the port is read from its start-up line."""
 
-    def __init__(self, model: Path, device: str, dtype: str | None, max_batch_tokens: int, spin_ms: float):
+    def __init__(self, model: Path, device: str, dtype: str | None, max_batch_tokens: int, spin_ms: float, busy_poll: bool = False):
         cmd = [sys.executable, "-m", "florist.server", "--model", str(model), "--port", "0", "--device", device,
                "--max-batch-tokens", str(max_batch_tokens), "--spin-ms", str(spin_ms), "--metrics-port", "0", "--timing-metadata"]
+        if busy_poll:
+            cmd.append("--busy-poll")
         if dtype:
             cmd += ["--dtype", dtype]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -311,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-n", type=int, default=500)
     p.add_argument("--max-batch-tokens", type=int, default=None, help="default: the server's own default")
     p.add_argument("--spin-ms", default="2,0", help="comma-separated server --spin-ms values to compare")
+    p.add_argument("--busy-poll", default="off", choices=["off", "on", "both"], help="run the server with --busy-poll (on), without (off), or each spin value both ways")
     w = p.parse_args(argv)
     if w.smoke:
         w.device = w.device or "cpu"
@@ -346,16 +350,18 @@ def main(argv: list[str] | None = None) -> int:
 
         runs = [direct(engine, w)]
         served = {}
-        for spin in [float(x) for x in w.spin_ms.split(",")]:
-            server = ServerProcess(model, device, w.dtype, w.max_batch_tokens, spin)
+        busy = {"off": [False], "on": [True], "both": [False, True]}[w.busy_poll]
+        for spin, busy_poll in [(float(x), b) for x in w.spin_ms.split(",") for b in busy]:
+            key = f"spin {spin:g} ms" + (", busy poll" if busy_poll else "")
+            server = ServerProcess(model, device, w.dtype, w.max_batch_tokens, spin, busy_poll)
             try:
                 # Direct step() again while the server process is up (idle): a second process on
                 # the device can slow this one's steps, which would not be the server's cost.
                 alongside = direct_latency(engine, w.latency_seq, w.latency_n, w.warmup)
-                served[spin] = asyncio.run(through_server(server.address, engine, w))
-                served[spin]["direct_alongside"] = alongside
-                served[spin]["event_loop"] = server.event_loop
-                served[spin].update(sync_client_latency(server.address, w, server.metrics_url))
+                served[key] = asyncio.run(through_server(server.address, engine, w))
+                served[key]["direct_alongside"] = alongside
+                served[key]["event_loop"] = server.event_loop
+                served[key].update(sync_client_latency(server.address, w, server.metrics_url))
             finally:
                 server.stop()
         # Direct once more, after the servers: drift (clocks, other work) shows as a difference.
@@ -368,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
 def report(info, w, d: dict, served: dict) -> None:
     print(f"\n{info.model_name} ({info.family}, {info.device}, {info.dtype}); max_batch_tokens {w.max_batch_tokens}")
     header = f"{'scenario':<66}{'direct step()':>14}"
-    for spin in served:
-        header += f"{f'server spin {spin:g} ms':>22}{'ratio':>8}"
+    width = max([22] + [len(k) + 9 for k in served])
+    for key in served:
+        header += f"{f'server {key}':>{width}}{'ratio':>8}"
     print(header)
     n_single, n_multi = w.requests * w.rounds, w.stream_requests
     for key, label in (
@@ -381,7 +388,7 @@ def report(info, w, d: dict, served: dict) -> None:
         row = f"{label:<66}{rate:>14.1f}"
         for res in served.values():
             r = statistics.median(res[key])
-            row += f"{r:>22.1f}{r / rate:>8.3f}"
+            row += f"{r:>{width}.1f}{r / rate:>8.3f}"
         print(row)
     d_lat = percentiles(d["latency"])
     for key, client in (("latency_sync", "sync gRPC client"), ("latency_aio", "grpc.aio client")):
@@ -389,7 +396,7 @@ def report(info, w, d: dict, served: dict) -> None:
             row = f"{f'{w.latency_tokens}-token batch-1 round trip {q}, ms, {client}':<66}{d_lat[q]:>14.3f}"
             for res in served.values():
                 ms = percentiles(res[key])[q]
-                row += f"{f'{ms:.3f} ({ms - d_lat[q]:+.3f})':>22}{ms / d_lat[q]:>8.3f}"
+                row += f"{f'{ms:.3f} ({ms - d_lat[q]:+.3f})':>{width}}{ms / d_lat[q]:>8.3f}"
             print(row)
     b_lat, spin = percentiles(d["batcher"]), float(w.spin_ms.split(",")[0])
     label = f"same through the Batcher in this process (no gRPC, spin {spin:g} ms), p50 / p99, ms"
@@ -400,24 +407,24 @@ def report(info, w, d: dict, served: dict) -> None:
     for res in served.values():
         a = percentiles(res["direct_alongside"])
         cell = f"{a['p50']:.3f} / {a['p99']:.3f}"
-        row += f"{cell:>22}{'':>8}"
+        row += f"{cell:>{width}}{'':>8}"
     print(row)
     for key, client in (("health_sync", "sync gRPC client"), ("health_aio", "grpc.aio client")):
         row = f"{f'Health round trip p50, ms, {client} (the gRPC floor)':<66}{'-':>14}"
         for res in served.values():
-            row += f"{percentiles(res[key])['p50']:>22.3f}{'':>8}"
+            row += f"{percentiles(res[key])['p50']:>{width}.3f}{'':>8}"
         print(row)
     for key, what in (("split_embed", "Embed"), ("split_health", "Health")):
         row = f"{f'{what} p50 split, ms: client->handler / handler / handler->client':<66}{'-':>14}"
         for res in served.values():
             parts = [statistics.median(res[key][part]) for part in ("to_handler", "in_handler", "to_client")]
-            row += f"{' / '.join(f'{v:.3f}' for v in parts):>22}{'':>8}"
+            row += f"{' / '.join(f'{v:.3f}' for v in parts):>{width}}{'':>8}"
         print(row)
     for key, label in (("embed_ms", "inside the server per Embed (mean), ms, sync client"), ("step_ms", "its batch, launch to collection (mean), ms")):
         row = f"{label:<66}{'-':>14}"
         for res in served.values():
             v = res.get("inside_sync", {}).get(key)
-            row += f"{(f'{v:.3f}' if v is not None else '-'):>22}{'':>8}"
+            row += f"{(f'{v:.3f}' if v is not None else '-'):>{width}}{'':>8}"
         print(row)
     print("min cosine, server vs embedded API: " + ", ".join(f"{r['cosine']:.6f}" for r in served.values()))
     print("server event loop: " + ", ".join(r["event_loop"] for r in served.values()) + "; bench clients: asyncio")

@@ -15,6 +15,7 @@ call costs the handler beyond its own code; "gRPC" minus "in the handler" is the
 
     python bench/server_layers.py                  # random-weight Qwen3-0.6B geometry, bf16, GPU
     python bench/server_layers.py --model DIR
+    python bench/server_layers.py --busy-poll      # the server's loop never sleeps (ServerConfig.busy_poll)
     python bench/server_layers.py --smoke          # tiny model on the CPU, a few calls
 """
 
@@ -83,7 +84,7 @@ async def measure(engine, args) -> dict[str, list[float]]:
     from florist.server.config import ServerConfig
     from florist.server.service import start_server
 
-    running = await start_server(engine, ServerConfig(host="127.0.0.1", port=0, timing_metadata=True))
+    running = await start_server(engine, ServerConfig(host="127.0.0.1", port=0, timing_metadata=True, busy_poll=args.busy_poll))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     client = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--client", f"127.0.0.1:{running.port}", "--tokens", str(args.tokens), "--vocab", str(engine.info.vocab_size),
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="tokens of the one sequence each call embeds")
     p.add_argument("--rounds", type=int, default=6, help="rounds of every variant, after one warm-up round")
     p.add_argument("--per-round", type=int, default=50, help="calls of each variant per round")
+    p.add_argument("--busy-poll", action="store_true", help="run the server with ServerConfig.busy_poll (its loop never sleeps)")
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     out = result[0]
     loop = "uvloop" if "uvloop" in sys.modules else "asyncio"
     print(f"\n{engine.info.model_name} ({engine.info.device}, {engine.info.dtype}); {args.tokens}-token batch-1 Embed, "
-          f"{args.rounds} rounds x {args.per_round} calls of each, server event loop: {loop}")
+          f"{args.rounds} rounds x {args.per_round} calls of each, server event loop: {loop}{', busy poll' if args.busy_poll else ''}")
     med = {k: statistics.median(v) for k, v in out.items()}
     for key, label in (("direct", "direct step() on the server's loop"), ("batcher", "the server's Batcher.run, no gRPC call"),
                        ("handler", "the Embed implementation, no transport"), ("grpc", "gRPC Embed round trip (sync client)"),

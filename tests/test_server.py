@@ -169,6 +169,32 @@ def test_timing_metadata_only_when_asked(embed_server, default_engine):
                 assert sent <= entered <= left <= received, (method, sent, entered, left, received)
 
 
+def test_busy_poll_keeps_the_loop_turning_and_stops_with_the_server(default_engine, caplog):
+    """--busy-poll: a task that is always ready runs on the server's loop while it serves (so the
+    loop never sleeps), answers stay the embedded API's, and stopping the server ends the task.
+    On a CPU engine the server warns that the spinning loop slows the model down."""
+    ids = [[101, 7592, 2088, 102], [101, 2023, 102]]
+    want = default_engine.embed(ids)
+    srv = ServerThread(default_engine, ServerConfig(port=0, busy_poll=True)).start()
+    try:
+        spinner = srv.running.busy_poll
+        assert spinner is not None and spinner.get_coro().__name__ == "_keep_turning"
+        time.sleep(0.05)
+        assert not spinner.done()
+
+        async def ask():
+            async with InferenceClient(srv.address) as client:
+                return await client.embed(ids)
+
+        np.testing.assert_allclose(run(ask()), want, **TOL)
+    finally:
+        srv.stop()
+    assert spinner.cancelled()
+    assert any("busy poll on a cpu engine" in r.getMessage() for r in caplog.records), caplog.text
+    with ServerThread(default_engine, ServerConfig(port=0)) as plain:
+        assert plain.running.busy_poll is None
+
+
 def test_metrics_count_like_prometheus_histograms():
     prometheus_client = pytest.importorskip("prometheus_client")
     from florist.server.metrics import ServerMetrics

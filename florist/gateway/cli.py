@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default=None, choices=["embed", "score"], help="override the task read from the model directory (e.g. a Qwen3 reranker whose directory name does not say so)")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one engine batch (engine default)")
     p.add_argument("--max-pending-tokens", type=int, default=None, help="tokens an engine queues before answering 429 (engine default)")
+    p.add_argument("--busy-poll", action="store_true",
+                   help="engine servers keep their event loop spinning: lower batch-1 latency for one CPU core per replica kept busy (GPU engines)")
     p.add_argument("--workers", type=int, default=1, help="gateway processes (default 1)")
     p.add_argument("--api-key", default=os.environ.get("FLORIST_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $FLORIST_API_KEY; none: no key)")
     p.add_argument("--payload-limit", type=int, default=d.payload_limit_bytes, help=f"largest request body in bytes (default {d.payload_limit_bytes})")
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         tokenization_workers=args.tokenization_workers or tokenization_threads(args.workers), reuse_port=args.workers > 1,
     )
     passed = (("--model", args.model), ("--dtype", args.dtype), ("--task", args.task), ("--max-batch-tokens", args.max_batch_tokens), ("--max-pending-tokens", args.max_pending_tokens))
-    engine_args = [a for flag, value in passed if value is not None for a in (flag, str(value))]
+    engine_args = [a for flag, value in passed if value is not None for a in (flag, str(value))] + (["--busy-poll"] if args.busy_poll else [])
     try:
         return serve(config, workers=args.workers, engine_args=engine_args, device=args.device, replicas=args.replicas)
     except (ConnectionError, OSError, RuntimeError) as e:

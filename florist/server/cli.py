@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pending-tokens", type=int, default=d.max_pending_tokens, help=f"queued tokens beyond which requests get RESOURCE_EXHAUSTED (default {d.max_pending_tokens})")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (default: off)")
     p.add_argument("--spin-ms", type=float, default=d.spin_ms, help=f"poll a launched batch this long before waiting in a thread (default {d.spin_ms})")
+    p.add_argument("--busy-poll", action="store_true",
+                   help="keep the event loop spinning instead of sleeping between requests: lower batch-1 latency for one CPU core kept busy (GPU engines; a CPU engine needs that core)")
     p.add_argument("--timing-metadata", action="store_true",
                    help="reply with trailing metadata x-florist-timing: the handler's entry and exit (time.monotonic_ns), for latency breakdowns")
 
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(
         host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,
         max_pending_tokens=args.max_pending_tokens, metrics_port=args.metrics_port, spin_ms=args.spin_ms,
-        timing_metadata=args.timing_metadata,
+        timing_metadata=args.timing_metadata, busy_poll=args.busy_poll,
     )
     _run_loop(_serve(engine, config))
     return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +33,8 @@ from florist.server.generate import GenerateHandler
 from florist.server.metrics import ServerMetrics, make_metrics
 from florist.server.scheduler import Overloaded, Scheduler
 from florist.text import InputError
+
+log = logging.getLogger(__name__)
 
 # Request messages are bounded by max_pending_tokens (12 bytes per token at most: id, and per
 # sequence a length and a first-segment length); responses are not bounded here.
@@ -185,9 +188,10 @@ def _set_timing(context, entered_ns: int) -> None:
 class RunningServer:
     """A started server on the current event loop: `port`, `stop()`, `wait_for_termination()`."""
 
-    def __init__(self, server, service: InferenceService, batcher: Batcher, port: int, metrics: ServerMetrics, metrics_http=None):
+    def __init__(self, server, service: InferenceService, batcher: Batcher, port: int, metrics: ServerMetrics, metrics_http=None,
+                 busy_poll: asyncio.Task | None = None):
         self.server, self.service, self.batcher, self.port = server, service, batcher, port
-        self.metrics, self.metrics_http = metrics, metrics_http
+        self.metrics, self.metrics_http, self.busy_poll = metrics, metrics_http, busy_poll
 
     @property
     def metrics_port(self) -> int | None:
@@ -196,6 +200,8 @@ class RunningServer:
     async def stop(self, grace: float | None = 1.0) -> None:
         self.service.serving = False
         await self.server.stop(grace)
+        if self.busy_poll is not None:
+            self.busy_poll.cancel()
         self.service.generation.close()
         await self.batcher.stop()
         if self.metrics_http is not None:
@@ -228,7 +234,20 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
     batcher.start()
     await server.start()
     metrics_http = metrics.serve(config.metrics_port, config.host) if config.metrics_port is not None else None
-    return RunningServer(server, service, batcher, port, metrics, metrics_http)
+    spinner = None
+    if config.busy_poll:
+        if not str(engine.info.device).startswith("cuda"):
+            log.warning("busy poll on a %s engine: the spinning event loop takes the CPU (and the GIL) the model runs on, "
+                        "so batches get slower; it is meant for GPU engines", engine.info.device)
+        spinner = asyncio.get_running_loop().create_task(_keep_turning(), name="florist-busy-poll")
+    return RunningServer(server, service, batcher, port, metrics, metrics_http, spinner)
+
+
+async def _keep_turning() -> None:
+    """ServerConfig.busy_poll: a task that is always ready, so the event loop polls its sockets
+    without a timeout and never sleeps; a request's wake-up reaches a running loop on a busy core."""
+    while True:
+        await asyncio.sleep(0)
 
 
 class ServerThread(LoopThread):
