@@ -287,3 +287,26 @@ def test_an_expired_request_is_refused_by_the_fast_path_without_running():
 
     np.testing.assert_array_equal(run_batcher(device, body), expected_rows([[3]]))
     assert device.batches == [[3]]
+
+
+def test_idle_is_set_only_while_nothing_is_queued_or_running():
+    """Batcher.idle (what the busy-poll task spins on): set at start, cleared from a request's
+    arrival until its batch is collected and the loop has found nothing else to do."""
+    device = RecordingDevice(per_token_s=0, base_s=0.02)
+    device.gate.clear()
+    seen = []
+
+    async def body(batcher):
+        seen.append(batcher.idle.is_set())
+        first = submit(batcher, [[1, 1]])
+        await asyncio.sleep(0)  # launched by its handler, running on the device
+        later = submit(batcher, [[2, 2]])
+        await asyncio.sleep(0.005)
+        seen.append(batcher.idle.is_set())
+        device.gate.set()
+        await asyncio.gather(first, later)
+        await asyncio.wait_for(batcher.idle.wait(), 5)
+        seen.append(batcher.idle.is_set() and not batcher.in_flight and not batcher.scheduler.has_pending())
+
+    run_batcher(device, body, max_batch_seqs=1, spin_s=0.001)
+    assert seen == [True, False, True]

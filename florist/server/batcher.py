@@ -113,6 +113,9 @@ class Batcher:
         self.with_token_types = engine.info.task == "score"
         self.in_flight: deque[_InFlight] = deque()
         self._wakeup = asyncio.Event()
+        # Set while nothing is queued or running (the busy-poll task spins only then).
+        self.idle = asyncio.Event()
+        self.idle.set()
         self._worker: _Worker | None = None
         self._task: asyncio.Task | None = None
 
@@ -143,6 +146,7 @@ class Batcher:
         work.starts = [0, *itertools.accumulate(req.seq_lens[:-1])]
         idle = not self.in_flight and not self.scheduler.has_pending()
         self.scheduler.add(req)
+        self.idle.clear()
         if idle:
             # The fast path: nothing queued or running, so this request's batch is the next one
             # and is launched here, without waiting for the loop to wake up. NOTE: safe because
@@ -211,6 +215,8 @@ class Batcher:
         if head is not None and head.done:
             self._collect(self.in_flight.popleft())
             return
+        if not self.in_flight and not self.scheduler.has_pending():
+            self.idle.set()
         await self._wakeup.wait()
 
     def _host_batch(self, batch: Batch) -> HostBatch:

@@ -23,6 +23,6 @@ class ServerConfig:
     # handler's entry and exit on CLOCK_MONOTONIC in ns (time.monotonic_ns, which another process
     # on the same host reads on the same clock): where a round trip's time goes (bench/server.py).
     timing_metadata: bool = False
-    # Keep the event loop turning (never parked in epoll) while the server runs: a request is
+    # Keep the event loop turning (never parked in epoll) while the server is idle: a request is
     # picked up at the next turn, on a core that never went idle. Costs one CPU core at 100 %.
     busy_poll: bool = False
