@@ -53,6 +53,30 @@ def test_concurrent_streams_equal_the_embedded_api(lm_server, lm_engine):
         assert all(c.finish_reason is None for c in chunks[:-1])
 
 
+def test_open_streams_are_counted_for_busy_poll(lm_engine):
+    """GenerateHandler.active counts the open Generate streams (the busy-poll task naps while
+    any is open, as the generation thread needs the GIL every step); a server with busy poll
+    still streams the embedded API's tokens, and the count returns to 0."""
+    prompt = prompts_for(lm_engine.model_dir.path, (5,), seed=8)[0]
+    want = lm_engine.generate([prompt], max_tokens=12)[0].token_ids
+    with ServerThread(lm_engine, ServerConfig(port=0, busy_poll=True)) as srv:
+        seen = []
+
+        async def main():
+            async with InferenceClient(srv.address) as client:
+                tokens = []
+                async for chunk in client.generate(prompt, max_tokens=12):
+                    seen.append(srv.running.service.generation.active)
+                    tokens += list(chunk.token_ids)
+                return tokens
+
+        assert asyncio.run(main()) == want
+        deadline = time.monotonic() + 5
+        while srv.running.service.generation.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen and all(n == 1 for n in seen) and srv.running.service.generation.active == 0
+
+
 def test_stop_ids_end_the_stream(lm_server, lm_engine):
     prompt = prompts_for(lm_engine.model_dir.path, (6,), seed=6)[0]
     full = lm_engine.generate([prompt], max_tokens=24)[0].token_ids

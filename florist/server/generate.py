@@ -34,11 +34,13 @@ class GenerateHandler:
         self._closing = False
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self.active = 0  # Generate streams open (read on the event loop, e.g. by the busy-poll task)
 
     # -- the RPC -----------------------------------------------------------------------------
     async def stream(self, request, context):
         """Async generator of GenerateChunk messages for one request."""
         started, code, seq = time.perf_counter(), "OK", None
+        self.active += 1
         try:
             try:
                 seq, queue = self._submit(request)
@@ -66,6 +68,7 @@ class GenerateHandler:
             code = "CANCELLED"
             raise
         finally:
+            self.active -= 1
             if seq is not None and not seq.finished:
                 self.engine.runner.abort(seq)
                 self._wake.set()

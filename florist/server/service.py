@@ -239,19 +239,20 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
         if not str(engine.info.device).startswith("cuda"):
             log.warning("busy poll on a %s engine: the spinning event loop takes the CPU (and the GIL) the model runs on, "
                         "so batches get slower; it is meant for GPU engines", engine.info.device)
-        spinner = asyncio.get_running_loop().create_task(_keep_turning(batcher.idle), name="florist-busy-poll")
+        spinner = asyncio.get_running_loop().create_task(_keep_turning(batcher.idle, service.generation), name="florist-busy-poll")
     return RunningServer(server, service, batcher, port, metrics, metrics_http, spinner)
 
 
-async def _keep_turning(idle: asyncio.Event) -> None:
+async def _keep_turning(idle: asyncio.Event, generation: GenerateHandler) -> None:
     """ServerConfig.busy_poll: while the server is idle (nothing queued or running) this task is
     always ready, so the event loop polls its sockets without a timeout and never sleeps: the
     next request reaches a running loop on a busy core. While batches are queued or running it
     waits, leaving the loop (and the GIL) to the requests: spinning then slowed the intake of
-    bursts (docs/benchmarks.md)."""
+    bursts (docs/benchmarks.md). While Generate streams are open it naps (1 ms): the generation
+    thread needs the GIL every step."""
     while True:
         await idle.wait()
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.001 if generation.active else 0)
 
 
 class ServerThread(LoopThread):
