@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one engine batch (engine default)")
     p.add_argument("--max-pending-tokens", type=int, default=None, help="tokens an engine queues before answering 429 (engine default)")
     p.add_argument("--busy-poll", action="store_true",
-                   help="engine servers keep their event loop spinning: lower batch-1 latency for one CPU core per replica kept busy (GPU engines)")
+                   help="engine servers keep their event loop spinning while idle: lower batch-1 latency for one CPU core per replica kept busy (GPU engines)")
     p.add_argument("--workers", type=int, default=1, help="gateway processes (default 1)")
     p.add_argument("--api-key", default=os.environ.get("FLORIST_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $FLORIST_API_KEY; none: no key)")
     p.add_argument("--payload-limit", type=int, default=d.payload_limit_bytes, help=f"largest request body in bytes (default {d.payload_limit_bytes})")

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (default: off)")
     p.add_argument("--spin-ms", type=float, default=d.spin_ms, help=f"poll a launched batch this long before waiting in a thread (default {d.spin_ms})")
     p.add_argument("--busy-poll", action="store_true",
-                   help="keep the event loop spinning instead of sleeping between requests: lower batch-1 latency for one CPU core kept busy (GPU engines; a CPU engine needs that core)")
+                   help="keep the event loop spinning while the server is idle instead of sleeping: lower batch-1 latency for one CPU core kept busy (GPU engines; a CPU engine needs that core)")
     p.add_argument("--timing-metadata", action="store_true",
                    help="reply with trailing metadata x-florist-timing: the handler's entry and exit (time.monotonic_ns), for latency breakdowns")
 
