@@ -60,21 +60,23 @@ def test_open_streams_are_counted_for_busy_poll(lm_engine):
     prompt = prompts_for(lm_engine.model_dir.path, (5,), seed=8)[0]
     want = lm_engine.generate([prompt], max_tokens=12)[0].token_ids
     with ServerThread(lm_engine, ServerConfig(port=0, busy_poll=True)) as srv:
-        seen = []
+        generation = srv.running.service.generation
 
-        async def main():
+        async def whole():
             async with InferenceClient(srv.address) as client:
-                tokens = []
-                async for chunk in client.generate(prompt, max_tokens=12):
-                    seen.append(srv.running.service.generation.active)
-                    tokens += list(chunk.token_ids)
-                return tokens
+                return await _collect(client, prompt, max_tokens=12)
 
-        assert asyncio.run(main()) == want
-        deadline = time.monotonic() + 5
-        while srv.running.service.generation.active and time.monotonic() < deadline:
+        async def first_chunk_of_a_long_one():
+            async with InferenceClient(srv.address) as client:
+                async for _ in client.generate(prompt, max_tokens=100, ignore_eos=True):
+                    return generation.active  # 99 tokens still to come: the stream is open
+
+        assert asyncio.run(whole())[0] == want
+        assert asyncio.run(first_chunk_of_a_long_one()) == 1
+        deadline = time.monotonic() + 10
+        while generation.active and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert seen and all(n == 1 for n in seen) and srv.running.service.generation.active == 0
+        assert generation.active == 0
 
 
 def test_stop_ids_end_the_stream(lm_server, lm_engine):
