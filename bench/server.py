@@ -152,13 +152,7 @@ def batcher_latency(engine, w) -> list[float]:
         finally:
             await batcher.stop()
 
-    out: list[list[float]] = []
-    _run_loop(_collect(measure(), out))
-    return out[0]
-
-
-async def _collect(coro, out: list) -> None:
-    out.append(await coro)
+    return _run_loop(measure())
 
 
 # -- through the server ---------------------------------------------------------------------------

@@ -164,13 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             geometry = "tiny-qwen3" if device == "cpu" else "qwen3-0.6b"
             model = make_model(Path(tmp) / geometry, geometry, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
         engine = Engine.from_pretrained(model, device=device)
-        result: list[dict] = []
-
-        async def run() -> None:
-            result.append(await measure(engine, args))
-
-        _run_loop(run())
-    out = result[0]
+        out = _run_loop(measure(engine, args))
     loop = "uvloop" if "uvloop" in sys.modules else "asyncio"
     print(f"\n{engine.info.model_name} ({engine.info.device}, {engine.info.dtype}); {args.tokens}-token batch-1 Embed, "
           f"{args.rounds} rounds x {args.per_round} calls of each, server event loop: {loop}{', busy poll' if args.busy_poll else ''}")

@@ -206,12 +206,19 @@ def test_decode_hands_raw_qkv_to_a_fused_attention_backend(tied_dir, monkeypatch
 
     monkeypatch.setattr(da, "qk_norm_rope_applies", lambda *args: True)
     monkeypatch.setattr(da, "decode_attention_triton", kernel)
-    engine = florist.Engine.from_pretrained(tied_dir, device="cpu", generation=GenerationConfig(decode_attention="triton"))
-    prompts = prompts_for(tied_dir, lens=(5, 17))
-    got = [r.token_ids for r in engine.generate(prompts, max_tokens=8)]
-    assert got == reference(tied_dir, prompts, 8)
+    greedy_matches_transformers(tied_dir, "triton")
     layers = json.loads((tied_dir / "config.json").read_text())["num_hidden_layers"]
     assert calls and len(calls) % layers == 0  # every layer of every decode step
+
+
+def greedy_matches_transformers(model_dir, decode_attention: str):
+    """A CPU engine with that decode backend generates transformers' greedy tokens for two
+    prompts (8 new tokens each); -> (engine, prompts)."""
+    engine = florist.Engine.from_pretrained(model_dir, device="cpu", generation=GenerationConfig(decode_attention=decode_attention))
+    prompts = prompts_for(model_dir, lens=(5, 17))
+    got = [r.token_ids for r in engine.generate(prompts, max_tokens=8)]
+    assert got == reference(model_dir, prompts, 8)
+    return engine, prompts
 
 
 def test_incremental_detokenizer_deltas_add_up(tied_dir):
@@ -257,10 +264,7 @@ def test_decode_runs_the_fused_layers_where_they_apply(tied_dir, monkeypatch):
     monkeypatch.setattr(dl.DecodeStack, "fits", lambda self, resid, cos_sin: True)  # fp32 on the CPU: the kernel would refuse
     monkeypatch.setattr(dl, "applies", lambda *args: True)
     monkeypatch.setattr(dl, "qwen3_decode_layers_triton", stand_in)
-    engine = florist.Engine.from_pretrained(tied_dir, device="cpu", generation=GenerationConfig(decode_attention="triton"))
-    prompts = prompts_for(tied_dir, lens=(5, 17))
-    got = [r.token_ids for r in engine.generate(prompts, max_tokens=8)]
-    assert got == reference(tied_dir, prompts, 8)
+    engine, prompts = greedy_matches_transformers(tied_dir, "triton")
     assert steps and len(builds) == 1, (steps, builds)
     # The final norm's weight is all ones here, which leaves the argmax blind to it: with a
     # weight of unequal entries the fused path must still give the unfused path's tokens.
@@ -275,7 +279,5 @@ def test_decode_runs_the_fused_layers_where_they_apply(tied_dir, monkeypatch):
     builds.clear()
     steps.clear()
     monkeypatch.setattr(dl.DecodeStack, "fits", lambda self, resid, cos_sin: False)
-    engine = florist.Engine.from_pretrained(tied_dir, device="cpu", generation=GenerationConfig(decode_attention="triton"))
-    got = [r.token_ids for r in engine.generate(prompts, max_tokens=8)]
-    assert got == reference(tied_dir, prompts, 8)
+    greedy_matches_transformers(tied_dir, "triton")
     assert not steps and len(builds) == 1, (steps, builds)

@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
 run_engine_server = run
 
 
-def _run_loop(main) -> None:
-    """asyncio.run(main), on uvloop when it is installed: every request makes several trips
+def _run_loop(main):
+    """asyncio.run(main) (its result), on uvloop when it is installed: every request makes several trips
     through the event loop (grpc.aio's completions arrive through it), and uvloop's are cheaper
     (~30-40 us less per round trip on the CPU development machine)."""
     try:
