@@ -349,14 +349,16 @@ def test_cancelled_and_disconnected_clients_lose_their_queued_sequences(default_
     with ServerThread(engine, ServerConfig(port=0, max_batch_seqs=1)) as srv:
 
         async def pending(client):
-            return (await client.health()).pending_sequences
+            health = await client.health()
+            return health.pending_sequences, health.batches_in_flight
 
         async def wait_for(client, n):
+            """n sequences queued behind the two batches stuck at the gate."""
             for _ in range(500):
-                if await pending(client) == n:
+                if await pending(client) == (n, 2):
                     return
                 await asyncio.sleep(0.01)
-            raise AssertionError(f"pending sequences never became {n} (now {await pending(client)})")
+            raise AssertionError(f"(pending sequences, batches in flight) never became ({n}, 2) (now {await pending(client)})")
 
         async def go():
             async with InferenceClient(srv.address, timeout=60) as client:

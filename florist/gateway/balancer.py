@@ -40,7 +40,7 @@ class Replica:
     def reconnect(self, grace_s: float) -> None:
         """A fresh channel; the old one closes once its calls are done (or after grace_s)."""
         old, self.client = self.client, self._factory(self.address)
-        asyncio.get_running_loop().create_task(old.channel.close(grace_s))
+        asyncio.get_running_loop().create_task(old.close(grace_s))
 
     def __repr__(self) -> str:
         return f"Replica({self.address}, {'up' if self.healthy else 'down'}, {self.outstanding_tokens} tokens)"

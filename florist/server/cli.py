@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spin-ms", type=float, default=d.spin_ms, help=f"poll a launched batch this long before waiting in a thread (default {d.spin_ms})")
     p.add_argument("--busy-poll", action="store_true",
                    help="keep the event loop spinning while the server is idle instead of sleeping: lower batch-1 latency for one CPU core kept busy (GPU engines; a CPU engine needs that core)")
+    p.add_argument("--local-socket", default="auto", metavar="PATH|auto|off",
+                   help="also serve Embed / Score on this Unix socket, which clients on this host (the gateway) find through Info and "
+                        "use instead of gRPC, for less latency per request (default auto: a path in $XDG_RUNTIME_DIR or the temp "
+                        "directory, printed at start; off: gRPC only)")
     p.add_argument("--timing-metadata", action="store_true",
                    help="reply with trailing metadata x-florist-timing: the handler's entry and exit (time.monotonic_ns), for latency breakdowns")
 
@@ -60,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,
         max_pending_tokens=args.max_pending_tokens, metrics_port=args.metrics_port, spin_ms=args.spin_ms,
         timing_metadata=args.timing_metadata, busy_poll=args.busy_poll,
+        local_socket=None if args.local_socket in ("off", "") else args.local_socket,
     )
     _run_loop(_serve(engine, config))
     return 0
@@ -90,7 +95,9 @@ async def _serve(engine, config) -> None:
     metrics = f", metrics on http://{_hostport(config.host, running.metrics_port)}/metrics" if running.metrics_port else ""
     loop_name = type(asyncio.get_running_loop()).__module__.split(".")[0]  # asyncio or uvloop
     # NOTE: scripts (bench/server.py) read the port from this line; keep "listening on HOST:PORT".
-    print(f"florist engine-server: {info.model_name} ({info.task}, {info.device}, {info.dtype}, {loop_name}) listening on {_hostport(config.host, running.port)}{metrics}", flush=True)
+    local = f", local socket {running.local_socket}" if running.local_socket else ""
+    print(f"florist engine-server: {info.model_name} ({info.task}, {info.device}, {info.dtype}, {loop_name}) listening on "
+          f"{_hostport(config.host, running.port)}{local}{metrics}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

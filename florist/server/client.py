@@ -9,17 +9,28 @@
 
 Errors are `grpc.aio.AioRpcError` with the server's status code and message. Create the client
 inside the event loop that uses it (a grpc.aio channel belongs to one loop).
+
+On the server's host (a loopback address) Embed and Score go through the server's local socket
+where it has one (florist/server/local.py: the same messages, a fraction of gRPC's overhead); the
+client learns the socket from Info before its first call, and uses gRPC wherever the socket is
+absent or cannot be opened. `local=False` keeps every call on gRPC.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+import asyncio
+import ipaddress
+import logging
 from typing import AsyncIterator, Sequence
 
 import grpc
 import numpy as np
 
 from florist.server import proto, wire
+from florist.server.local import LocalChannel
+
+log = logging.getLogger(__name__)
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 
@@ -36,17 +47,53 @@ class GeneratedTokens:
 
 
 class InferenceClient:
-    def __init__(self, address: str, *, timeout: float | None = None):
+    def __init__(self, address: str, *, timeout: float | None = None, local: bool = True):
         self.address, self.timeout = address, timeout
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._rpc = proto.method_callables(self.channel)
+        self._want_local = local and _loopback(address)
+        self._local: LocalChannel | None = None
+        self._finding: asyncio.Future | None = None  # the look-up of the local socket, once
+
+    @property
+    def transport(self) -> str:
+        """"local" once Embed / Score go through the server's local socket, else "grpc"."""
+        return "local" if self._local is not None and not self._local.closed else "grpc"
+
+    async def _unary(self, method: str, request, timeout: float | None):
+        if self._want_local:
+            if self._local is not None and self._local.closed:  # the server went away: look again next time
+                self._local, self._finding = None, None
+            if self._finding is None:
+                self._finding = asyncio.ensure_future(self._find_local())
+            await asyncio.shield(self._finding)
+            if self._local is not None:
+                return await self._local.call(method, request, timeout)
+        return await self._rpc[method](request, timeout=timeout)
+
+    async def _find_local(self) -> None:
+        try:
+            path = (await self._rpc["Info"](proto.InfoRequest(), timeout=self.timeout or 10.0)).local_socket
+        except Exception:  # not answering (or shutting down): the call itself will say so; ask again next time
+            self._finding = None
+            return
+        if not path:
+            return  # gRPC only
+        channel = LocalChannel(path)
+        try:
+            await channel.connect()
+        except OSError as e:  # another host's path, another user's socket: gRPC
+            log.info("engine server %s: its local socket %s cannot be opened here (%s); using gRPC", self.address, path, e)
+            return
+        self._local = channel
+        log.info("engine server %s: Embed and Score over its local socket %s", self.address, path)
 
     async def embed(self, seqs, *, dimensions: int | None = None, normalize: bool | None = None, encoding: str = "float", timeout: float | None = None) -> np.ndarray:
         """`seqs`: token-id sequences, or (ids bytes of little-endian int32, seq_lens)."""
         request = proto.EmbedRequest(tokens=wire.encode_tokens(seqs, proto.TokenBatch), dimensions=dimensions or 0, encoding=encoding)
         if normalize is not None:
             request.normalize = normalize
-        response = await self._rpc["Embed"](request, timeout=timeout or self.timeout)
+        response = await self._unary("Embed", request, timeout or self.timeout)
         return wire.decode_matrix(response.embeddings)
 
     async def score(self, pairs, first_segment_lens: Sequence[int] | bytes, *, raw: bool = False, timeout: float | None = None) -> np.ndarray:
@@ -54,7 +101,7 @@ class InferenceClient:
         `first_segment_lens[i]`: how many leading tokens of pair i are the query segment."""
         first = first_segment_lens if isinstance(first_segment_lens, (bytes, bytearray)) else np.asarray(first_segment_lens, dtype=wire.INT32).tobytes()
         request = proto.ScoreRequest(tokens=wire.encode_tokens(pairs, proto.TokenBatch), first_segment_lens=bytes(first), raw=raw)
-        response = await self._rpc["Score"](request, timeout=timeout or self.timeout)
+        response = await self._unary("Score", request, timeout or self.timeout)
         return wire.decode_matrix(response.scores)
 
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, timeout: float | None = None) -> AsyncIterator[GeneratedTokens]:
@@ -80,11 +127,28 @@ class InferenceClient:
         """Status and load (florist.proto HealthResponse); `.status == proto.HealthResponse.SERVING`."""
         return await self._rpc["Health"](proto.HealthRequest(), timeout=timeout or self.timeout)
 
-    async def close(self) -> None:
-        await self.channel.close()
+    async def close(self, grace: float | None = None) -> None:
+        """Closes the channels; gRPC calls in flight get `grace` seconds (None: cancelled now),
+        local ones are cut at once."""
+        if self._local is not None:
+            await self._local.close()
+        await self.channel.close(grace)
 
     async def __aenter__(self) -> "InferenceClient":
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def _loopback(address: str) -> bool:
+    """Whether a "host:port" gRPC address is this host's loopback (where a local socket can be)."""
+    if address.startswith("unix"):  # unix:PATH, unix-abstract:NAME
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -30,6 +30,7 @@ from florist.server import proto, wire
 from florist.server.batcher import Batcher, DeadlineExpired
 from florist.server.config import ServerConfig
 from florist.server.generate import GenerateHandler
+from florist.server.local import LocalServer, auto_path
 from florist.server.metrics import ServerMetrics, make_metrics
 from florist.server.scheduler import Overloaded, Scheduler
 from florist.text import InputError
@@ -92,6 +93,15 @@ class InferenceService:
 
     async def Info(self, request, context):
         return self._info_response
+
+    @property
+    def local_socket(self) -> str:
+        return self._info_response.local_socket
+
+    @local_socket.setter
+    def local_socket(self, path: str) -> None:
+        """Advertised in Info, for clients on this host (florist/server/local.py)."""
+        self._info_response.local_socket = path
 
     # -- implementation ------------------------------------------------------------------------
     async def _handle(self, method: str, impl, request, context):
@@ -189,9 +199,14 @@ class RunningServer:
     """A started server on the current event loop: `port`, `stop()`, `wait_for_termination()`."""
 
     def __init__(self, server, service: InferenceService, batcher: Batcher, port: int, metrics: ServerMetrics, metrics_http=None,
-                 busy_poll: asyncio.Task | None = None):
+                 busy_poll: asyncio.Task | None = None, local: LocalServer | None = None):
         self.server, self.service, self.batcher, self.port = server, service, batcher, port
-        self.metrics, self.metrics_http, self.busy_poll = metrics, metrics_http, busy_poll
+        self.metrics, self.metrics_http, self.busy_poll, self.local = metrics, metrics_http, busy_poll, local
+
+    @property
+    def local_socket(self) -> str | None:
+        """The Unix socket of the local transport, if the server has one."""
+        return self.local.path if self.local is not None else None
 
     @property
     def metrics_port(self) -> int | None:
@@ -199,6 +214,8 @@ class RunningServer:
 
     async def stop(self, grace: float | None = 1.0) -> None:
         self.service.serving = False
+        if self.local is not None:
+            await self.local.close()
         await self.server.stop(grace)
         if self.busy_poll is not None:
             self.busy_poll.cancel()
@@ -233,6 +250,16 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
         raise OSError(f"cannot listen on {_hostport(config.host, config.port)} (in use?); pick another --port")
     batcher.start()
     await server.start()
+    local = None
+    if config.local_socket:
+        local = LocalServer(service, auto_path(port) if config.local_socket == "auto" else config.local_socket, max_request)
+        try:
+            await local.start()
+        except OSError:
+            await server.stop(None)
+            await batcher.stop()
+            raise
+        service.local_socket = local.path
     metrics_http = metrics.serve(config.metrics_port, config.host) if config.metrics_port is not None else None
     spinner = None
     if config.busy_poll:
@@ -240,7 +267,7 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
             log.warning("busy poll on a %s engine: the spinning event loop takes the CPU (and the GIL) the model runs on, "
                         "so batches get slower; it is meant for GPU engines", engine.info.device)
         spinner = asyncio.get_running_loop().create_task(_keep_turning(batcher.idle, service.generation), name="florist-busy-poll")
-    return RunningServer(server, service, batcher, port, metrics, metrics_http, spinner)
+    return RunningServer(server, service, batcher, port, metrics, metrics_http, spinner, local)
 
 
 async def _keep_turning(idle: asyncio.Event, generation: GenerateHandler) -> None:
