@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -24,6 +25,9 @@ TOL = dict(rtol=0, atol=1e-5)
 TEXTS = ["a rose in the garden", "Tulips need sun and water.", "search engines rank documents", "hello", "x " * 40]
 
 
+PROCS: dict[str, FloristProcess] = {}  # the gateways' processes, for tests that read their output
+
+
 @pytest.fixture(scope="session")
 def gateways(cross_encoder_dir):
     procs = {
@@ -31,6 +35,7 @@ def gateways(cross_encoder_dir):
                                 "--payload-limit", str(1 << 20), "--max-inputs", "64", "--chunk-seqs", "8"),
         "score": FloristProcess("serve", "--port", "0", "--device", "cpu", "--model", str(cross_encoder_dir)),
     }
+    PROCS.update(procs)
     try:
         urls = {k: p.wait_for(r"on (http://[\d.]+:\d+)").group(1) for k, p in procs.items()}
         yield urls
@@ -278,3 +283,16 @@ def test_still_serving_after_the_bad_requests(gateways, default_engine, cross_en
     np.testing.assert_allclose(np.array(body), default_engine.embed(TEXTS), **TOL)
     status, _, body = call(gateways["score"], "/v1/score", {"text_1": QUERY, "text_2": DOCS})
     assert status == 200
+
+
+def test_the_gateway_reaches_its_engines_over_their_local_sockets(gateways, default_engine):
+    """`florist serve` runs the engines on this host: each prints its local socket, and the
+    gateway workers send Embed through them (florist/server/local.py) rather than gRPC."""
+    status, _, body = call(gateways["embed"], "/v1/embeddings", {"input": TEXTS}, headers=AUTH)
+    assert status == 200
+    np.testing.assert_allclose(np.array([d["embedding"] for d in body["data"]]), default_engine.embed(TEXTS), **TOL)
+    out = PROCS["embed"].output()
+    sockets = set(re.findall(r"local socket (\S+\.sock)", out))
+    assert len(sockets) == 2, out[-3000:]  # one per engine replica
+    used = set(re.findall(r"Embed and Score over its local socket (\S+\.sock)", out))
+    assert used and used <= sockets, out[-3000:]

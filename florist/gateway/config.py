@@ -25,3 +25,4 @@ class GatewayConfig:
     startup_timeout_s: float = 300.0
     retry_after_s: int = 1
     reuse_port: bool = False                 # several worker processes on one port (SO_REUSEPORT)
+    local_socket: bool = True                # Embed / Score over an engine's local socket where it has one on this host

@@ -11,6 +11,7 @@ on SIGINT / SIGTERM); `GatewayThread` runs one on a background thread (tests, no
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 from collections.abc import Callable
 
@@ -25,6 +26,7 @@ from florist.gateway.pipeline import Pipeline
 from florist.gateway.tokenization import Tokenization, load_text_processor
 from florist.gcfreeze import freeze_startup_objects
 from florist.loop_thread import LoopThread
+from florist.server.client import InferenceClient
 
 
 class RunningGateway:
@@ -39,7 +41,8 @@ class RunningGateway:
 
 async def start_gateway(config: GatewayConfig) -> RunningGateway:
     metrics = GatewayMetrics()
-    balancer = Balancer(config.engines, interval_s=config.health_interval_s, on_change=metrics.replica_changed)
+    balancer = Balancer(config.engines, interval_s=config.health_interval_s, on_change=metrics.replica_changed,
+                        client_factory=functools.partial(InferenceClient, local=config.local_socket))
     try:
         info = await balancer.start(config.startup_timeout_s)
         processor = load_text_processor(info, config.model)
