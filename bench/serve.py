@@ -257,7 +257,8 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
     dtype = ["--dtype", args.dtype] if args.dtype else []
     florist = Proc("florist", [sys.executable, "-m", "florist.cli", "serve", "--port", "0", "--model", str(model["path"]),
-                               "--device", args.device, "--workers", str(args.workers), *dtype, *(["--busy-poll"] if args.busy_poll else [])], env)
+                               "--device", args.device, "--workers", str(args.workers), *dtype, *(["--busy-poll"] if args.busy_poll else []),
+                               *(["--no-local-socket"] if args.no_local_socket else [])], env)
     baseline = Proc("baseline", [sys.executable, str(ROOT / "bench" / "baseline_server.py"), "--model", str(model["path"]), "--task", model["task"],
                                  "--device", args.device, "--port", "0", "--http", args.baseline_http, *dtype], env)
     try:
@@ -576,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--workers", type=int, default=1, help="florist gateway workers (default 1; the baseline runs one uvicorn worker)")
     p.add_argument("--busy-poll", action="store_true", help="run florist's engine server with --busy-poll (its event loop never sleeps)")
+    p.add_argument("--no-local-socket", action="store_true", help="run `florist serve --no-local-socket`: gateway to engine over gRPC only")
     p.add_argument("--baseline-http", default="auto", choices=["auto", "fastapi", "aiohttp"], help="the baseline's HTTP server (auto: FastAPI when importable)")
     p.add_argument("--smoke", action="store_true", help="tiny models on the CPU, a few requests: the code path only")
     p.add_argument("--replot", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",

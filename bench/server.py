@@ -22,6 +22,10 @@ the handler, handler to client. A last latency row runs the server's Batcher in 
 its own event loop (uvloop when installed, as the server), with no gRPC: what the scheduling and
 event-loop layer costs over direct step(), apart from the transport.
 
+The same batch-1 round trip also goes over the server's local socket (florist/server/local.py,
+what a gateway on the same host uses): with florist's InferenceClient (asyncio) and with a
+blocking client, plus a Health call with the latter (that transport's floor).
+
 Outputs are checked before timing (cosine >= 0.999 against the embedded API). With --busy-poll
 on (or both) the server runs with --busy-poll (its event loop never sleeps). The server is run
 once per --spin-ms value (how long it polls a launched batch before waiting in a thread), so
@@ -76,6 +80,7 @@ class ServerProcess:
         for line in self.proc.stdout:
             if "listening on " in line:
                 self.address = line.split("listening on ")[1].split(",")[0].strip()
+                self.local_socket = line.split("local socket ")[1].split(",")[0].strip() if "local socket " in line else None
                 self.metrics_url = line.split("metrics on ")[1].strip() if "metrics on " in line else None
                 self.event_loop = "uvloop" if ", uvloop)" in line else "asyncio"
                 return
@@ -181,7 +186,7 @@ async def stream(client, requests: list, depth: int) -> float:
 async def through_server(address: str, engine, w) -> dict:
     from florist.server.client import InferenceClient
 
-    async with InferenceClient(address, timeout=600) as client:
+    async with InferenceClient(address, timeout=600, local=False) as client:
         # Correctness first: the server's vectors against the embedded API's.
         got = np.concatenate(await asyncio.gather(*(client.embed([s]) for s in w.seqs[:8])))
         cosine = cosine_min(got, engine.embed([s.tolist() for s in w.seqs[:8]]))
@@ -199,7 +204,24 @@ async def through_server(address: str, engine, w) -> dict:
         multi = w.seqs_per_request * len(multi_requests) / await stream(client, multi_requests, w.stream_depth)
         latency = await atimes_ms(lambda: client.embed([w.latency_seq]), w.latency_n, w.warmup)
         health = await atimes_ms(client.health, w.latency_n, w.warmup)
-    return {"cosine": cosine, "rounds": rates, "single": [single], "multi": [multi], "latency_aio": latency, "health_aio": health}
+    out = {"cosine": cosine, "rounds": rates, "single": [single], "multi": [multi], "latency_aio": latency, "health_aio": health}
+    async with InferenceClient(address, timeout=600) as client:  # Embed over the server's local socket
+        got = await client.embed([w.latency_seq])
+        assert client.transport == "local", "the server advertised no local socket this client could open"
+        out["cosine"] = min(out["cosine"], cosine_min(got, engine.embed([w.latency_seq.tolist()])))
+        out["latency_local"] = await atimes_ms(lambda: client.embed([w.latency_seq]), w.latency_n, w.warmup)
+    return out
+
+
+def local_sync_latency(path: str, w) -> dict:
+    """Round trips over the local socket with a blocking client (local.BlockingLocalClient)."""
+    from florist.server import proto, wire
+    from florist.server.local import BlockingLocalClient
+
+    with BlockingLocalClient(path, timeout=600) as client:
+        request = proto.EmbedRequest(tokens=wire.encode_tokens([w.latency_seq], proto.TokenBatch))
+        return {"latency_local_sync": times_ms(lambda: wire.decode_matrix(client.call("Embed", request).embeddings), w.latency_n, w.warmup),
+                "health_local_sync": times_ms(lambda: client.call("Health", proto.HealthRequest()), w.latency_n, w.warmup)}
 
 
 def times_ms(call, n: int, warmup: int) -> list[float]:
@@ -356,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                 served[key]["direct_alongside"] = alongside
                 served[key]["event_loop"] = server.event_loop
                 served[key].update(sync_client_latency(server.address, w, server.metrics_url))
+                served[key].update(local_sync_latency(server.local_socket, w))
             finally:
                 server.stop()
         # Direct once more, after the servers: drift (clocks, other work) shows as a difference.
@@ -385,7 +408,8 @@ def report(info, w, d: dict, served: dict) -> None:
             row += f"{r:>{width}.1f}{r / rate:>8.3f}"
         print(row)
     d_lat = percentiles(d["latency"])
-    for key, client in (("latency_sync", "sync gRPC client"), ("latency_aio", "grpc.aio client")):
+    for key, client in (("latency_sync", "sync gRPC client"), ("latency_aio", "grpc.aio client"),
+                        ("latency_local_sync", "local socket, blocking"), ("latency_local", "local socket, asyncio")):
         for q in ("p50", "p90", "p99"):
             row = f"{f'{w.latency_tokens}-token batch-1 round trip {q}, ms, {client}':<66}{d_lat[q]:>14.3f}"
             for res in served.values():
@@ -403,8 +427,8 @@ def report(info, w, d: dict, served: dict) -> None:
         cell = f"{a['p50']:.3f} / {a['p99']:.3f}"
         row += f"{cell:>{width}}{'':>8}"
     print(row)
-    for key, client in (("health_sync", "sync gRPC client"), ("health_aio", "grpc.aio client")):
-        row = f"{f'Health round trip p50, ms, {client} (the gRPC floor)':<66}{'-':>14}"
+    for key, client in (("health_sync", "sync gRPC client"), ("health_aio", "grpc.aio client"), ("health_local_sync", "local socket, blocking")):
+        row = f"{f'Health round trip p50, ms, {client} (the floor)':<66}{'-':>14}"
         for res in served.values():
             row += f"{percentiles(res[key])['p50']:>{width}.3f}{'':>8}"
         print(row)

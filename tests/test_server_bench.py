@@ -17,6 +17,8 @@ def test_server_bench_smoke():
     for row in ("8 x 64 tokens, rounds sent at once, emb/s", "64-token requests, stream of 16, 8 in flight, emb/s",
                 "8 x 64-token requests, stream of 6, 4 in flight, emb/s", "32-token batch-1 round trip p99, ms, sync gRPC client",
                 "32-token batch-1 round trip p99, ms, grpc.aio client", "Health round trip p50, ms, sync gRPC client",
+                "32-token batch-1 round trip p50, ms, local socket, blocking", "32-token batch-1 round trip p50, ms, local socket, asyncio",
+                "Health round trip p50, ms, local socket, blocking",
                 "Embed p50 split, ms: client->handler / handler / handler->client", "Health p50 split, ms: client->handler / handler / handler->client",
                 "same through the Batcher in this process (no gRPC, spin 2 ms), p50 / p99, ms",
                 "direct step() p50 / p99 while the server process is up (idle), ms"):
