@@ -156,6 +156,8 @@ class LocalServer:
             _reply(writer, call_id, grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}".encode())
         else:
             _reply(writer, call_id, grpc.StatusCode.OK, response.SerializeToString())
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()  # a client that stops reading holds its calls here, not the server's memory
 
 
 def _reply(writer: asyncio.StreamWriter, call_id: int, code: grpc.StatusCode, body: bytes) -> None:
@@ -211,6 +213,7 @@ class LocalChannel:
         self._writer.write(HEADER.pack(len(payload), call_id, kind, timeout_us) + payload)
         try:
             async with asyncio.timeout(timeout):
+                await self._writer.drain()  # returns at once unless the server has stopped reading
                 code, body = await future
         except TimeoutError:
             self._cancel(call_id)
@@ -218,6 +221,8 @@ class LocalChannel:
         except asyncio.CancelledError:
             self._cancel(call_id)
             raise
+        except ConnectionError as e:  # from drain(): the connection is gone
+            raise _error(grpc.StatusCode.UNAVAILABLE, f"local socket {self.path}: {e}") from None
         finally:
             self._pending.pop(call_id, None)
         if code != _OK:
