@@ -303,3 +303,15 @@ def test_serve_flag_turns_the_local_socket_off_on_both_ends(monkeypatch, flags, 
     assert seen["config"].local_socket is gateway_local
     args = seen["engine_args"]
     assert (args[args.index("--local-socket"):][:2] if "--local-socket" in args else None) == engine_flag
+
+
+def test_frames_are_split_out_of_any_chunking():
+    frames = [local.HEADER.pack(len(body), i, local.EMBED, 7) + body for i, body in enumerate([b"", b"abc", bytes(range(256)) * 40, b"z"])]
+    stream = b"".join(frames)
+    for size in (1, 3, 16, 17, 1000, len(stream)):
+        parser = local._Frames()
+        got = [f for k in range(0, len(stream), size) for f in parser.feed(stream[k:k + size])]
+        assert [(h[1], body) for h, body in got] == [(i, f[local.HEADER.size:]) for i, f in enumerate(frames)], size
+    over = local._Frames(max_payload=100)
+    (header, body), = over.feed(local.HEADER.pack(101, 9, local.EMBED, 0))  # refused on its header alone
+    assert header[:2] == (101, 9) and body is None

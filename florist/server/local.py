@@ -31,6 +31,7 @@ import os
 import socket
 import stat
 import struct
+import sys
 import tempfile
 import time
 
@@ -79,13 +80,76 @@ class _Context:
         pass
 
 
+class _Frames:
+    """Splits a byte stream into frames: `feed(data)` -> [(header tuple, payload bytes)], keeping
+    an incomplete tail for the next call. A header whose length is over `max_payload` comes
+    back at once, with payload None (the caller stops reading there)."""
+
+    def __init__(self, max_payload: int = 0xFFFFFFFF):
+        self.max_payload = max_payload
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[tuple[int, int, int, int], bytes | None]]:
+        buf = self._buf
+        buf += data
+        out, pos, n = [], 0, len(buf)
+        while n - pos >= HEADER.size:
+            header = HEADER.unpack_from(buf, pos)
+            if header[0] > self.max_payload:
+                out.append((header, None))
+                break
+            end = pos + HEADER.size + header[0]
+            if end > n:
+                break
+            out.append((header, bytes(buf[pos + HEADER.size:end])))
+            pos = end
+        del buf[:pos]
+        return out
+
+
+class _Writer:
+    """Writes of an asyncio.Protocol with flow control: `drain()` waits while the transport's
+    buffer is over its high-water mark (the peer is not reading)."""
+
+    def __init__(self):
+        self.transport: asyncio.Transport | None = None
+        self._resumed: asyncio.Future | None = None
+        self.lost: BaseException | None = None
+
+    def pause_writing(self) -> None:
+        self._resumed = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._resumed is not None and not self._resumed.done():
+            self._resumed.set_result(None)
+        self._resumed = None
+
+    def writer_lost(self, exc: BaseException | None) -> None:
+        self.lost = exc or ConnectionResetError("connection lost")
+        self.resume_writing()
+
+    async def drain(self) -> None:
+        if self.lost is not None:
+            raise ConnectionResetError(str(self.lost))
+        if self._resumed is not None:
+            await asyncio.shield(self._resumed)
+
+
+def _start(loop: asyncio.AbstractEventLoop, coro) -> asyncio.Task:
+    """A task for `coro` that runs at once up to its first suspension where Python has eager
+    tasks (3.12+): a request's handler starts in the callback that read it, one loop turn sooner."""
+    if sys.version_info >= (3, 12):
+        return asyncio.Task(coro, loop=loop, eager_start=True)
+    return loop.create_task(coro)
+
+
 class LocalServer:
     """Serves `service` (an InferenceService) on a Unix socket at `path`; `close()` removes it."""
 
     def __init__(self, service, path: str, max_request_bytes: int):
         self.service, self.path, self.max_request_bytes = service, path, max_request_bytes
         self._server: asyncio.AbstractServer | None = None
-        self._connections: set[asyncio.StreamWriter] = set()
+        self._connections: set[_ServerConnection] = set()
 
     async def start(self) -> None:
         if os.path.lexists(self.path):
@@ -94,75 +158,84 @@ class LocalServer:
             if _answers(self.path):
                 raise OSError(f"another server listens on {self.path}; pick another --local-socket")
             os.unlink(self.path)  # left by a server that did not stop cleanly
-        self._server = await asyncio.start_unix_server(self._serve_connection, self.path)
+        self._server = await asyncio.get_running_loop().create_unix_server(lambda: _ServerConnection(self), self.path)
 
     async def close(self) -> None:
         if self._server is None:
             return
         self._server.close()
-        for writer in list(self._connections):
-            writer.close()  # its reader sees the end of the stream and cancels the connection's calls
+        for connection in list(self._connections):
+            connection.transport.close()  # connection_lost cancels its calls
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         self._server = None
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._connections.add(writer)
-        calls: dict[int, asyncio.Task] = {}
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                length, call_id, kind, timeout_us = HEADER.unpack(await reader.readexactly(HEADER.size))
-                if length > self.max_request_bytes:
-                    # NOTE: gRPC answers an over-long message the same way; the stream cannot be trusted after it.
-                    _reply(writer, call_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"request of {length} bytes is over this server's limit of {self.max_request_bytes}".encode())
-                    return
-                payload = await reader.readexactly(length) if length else b""
-                if kind == CANCEL:
-                    call = calls.pop(call_id, None)
-                    if call is not None:
-                        call.cancel()
-                    continue
-                deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
-                task = loop.create_task(self._call(kind, payload, deadline, call_id, writer))
-                calls[call_id] = task
-                task.add_done_callback(lambda _, c=call_id: calls.pop(c, None))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the client went away
-        finally:
-            for call in calls.values():
-                call.cancel()
-            writer.close()
-            self._connections.discard(writer)
-
-    async def _call(self, kind: int, payload: bytes, deadline: float | None, call_id: int, writer: asyncio.StreamWriter) -> None:
+    async def _call(self, kind: int, payload: bytes, deadline: float | None, call_id: int, connection: "_ServerConnection") -> None:
         method = METHODS.get(kind)
         if method is None:
-            _reply(writer, call_id, grpc.StatusCode.UNIMPLEMENTED, f"unknown call kind {kind}; this server knows {sorted(METHODS)}".encode())
+            connection.reply(call_id, grpc.StatusCode.UNIMPLEMENTED, f"unknown call kind {kind}; this server knows {sorted(METHODS)}".encode())
             return
         name, request_class, _ = method
         try:
             request = request_class.FromString(payload)
         except Exception:  # protobuf's DecodeError
-            _reply(writer, call_id, grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the {name} request".encode())
+            connection.reply(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the {name} request".encode())
             return
         try:
             response = await getattr(self.service, name)(request, _Context(deadline))
         except _Aborted as e:
-            _reply(writer, call_id, e.code, e.message.encode())
+            connection.reply(call_id, e.code, e.message.encode())
         except Exception as e:  # what gRPC reports as UNKNOWN: an error in a handler
             log.exception("%s over the local socket failed", name)
-            _reply(writer, call_id, grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}".encode())
+            connection.reply(call_id, grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}".encode())
         else:
-            _reply(writer, call_id, grpc.StatusCode.OK, response.SerializeToString())
+            connection.reply(call_id, grpc.StatusCode.OK, response.SerializeToString())
         with contextlib.suppress(ConnectionError):
-            await writer.drain()  # a client that stops reading holds its calls here, not the server's memory
+            await connection.drain()  # a client that stops reading holds its calls here, not the server's memory
 
 
-def _reply(writer: asyncio.StreamWriter, call_id: int, code: grpc.StatusCode, body: bytes) -> None:
-    if not writer.is_closing():
-        writer.write(HEADER.pack(len(body), call_id, code.value[0], 0) + body)
+class _ServerConnection(_Writer, asyncio.Protocol):
+    """One client connection: frames in, a task per call, replies out in completion order."""
+
+    def __init__(self, server: LocalServer):
+        super().__init__()
+        self.server = server
+        self.frames = _Frames(server.max_request_bytes)
+        self.calls: dict[int, asyncio.Task] = {}
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.server._connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        for (length, call_id, kind, timeout_us), payload in self.frames.feed(data):
+            if payload is None:
+                # NOTE: gRPC answers an over-long message the same way; the stream cannot be trusted after it.
+                self.reply(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"request of {length} bytes is over this server's limit of {self.server.max_request_bytes}".encode())
+                self.transport.close()
+                return
+            if kind == CANCEL:
+                call = self.calls.pop(call_id, None)
+                if call is not None:
+                    call.cancel()
+                continue
+            deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
+            task = _start(loop, self.server._call(kind, payload, deadline, call_id, self))
+            if not task.done():
+                self.calls[call_id] = task
+                task.add_done_callback(lambda _, c=call_id: self.calls.pop(c, None))
+
+    def connection_lost(self, exc) -> None:  # the client went away, or the server closes
+        self.writer_lost(exc)
+        for call in list(self.calls.values()):
+            call.cancel()
+        self.server._connections.discard(self)
+
+    def reply(self, call_id: int, code: grpc.StatusCode, body: bytes) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(HEADER.pack(len(body), call_id, code.value[0], 0) + body)
 
 
 def _answers(path: str) -> bool:
@@ -179,15 +252,15 @@ def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
-class LocalChannel:
+class LocalChannel(_Writer, asyncio.Protocol):
     """The client end: one connection, calls multiplexed on it. `call` raises grpc.aio.AioRpcError
     as a gRPC call would: the server's status, UNAVAILABLE when the connection is lost (the
     channel then stays closed: make a new one), DEADLINE_EXCEEDED when `timeout` passes."""
 
     def __init__(self, path: str):
+        super().__init__()
         self.path = path
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task | None = None
+        self.frames = _Frames()
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._closed: str | None = None
@@ -198,8 +271,25 @@ class LocalChannel:
 
     async def connect(self) -> None:
         """Raises OSError where the socket cannot be opened (absent, not permitted)."""
-        reader, self._writer = await asyncio.open_unix_connection(self.path)
-        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader), name="florist-local-channel")
+        await asyncio.get_running_loop().create_unix_connection(lambda: self, self.path)
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        for (_, call_id, code, _), body in self.frames.feed(data):
+            future = self._pending.get(call_id)
+            if future is not None and not future.done():
+                future.set_result((code, body))
+
+    def connection_lost(self, exc) -> None:
+        self.writer_lost(exc)
+        code = grpc.StatusCode.CANCELLED if self._closed is not None else grpc.StatusCode.UNAVAILABLE  # closed here, or there
+        if self._closed is None:
+            self._closed = f"local socket {self.path}: {exc}" if exc is not None else "the engine server closed the local socket"
+        for future in self._pending.values():
+            if not future.done():
+                future.set_result((code.value[0], self._closed.encode()))
 
     async def call(self, method: str, request, timeout: float | None = None):
         kind = KINDS[method]
@@ -210,10 +300,10 @@ class LocalChannel:
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
         timeout_us = min(0xFFFFFFFF, max(1, int(timeout * 1e6))) if timeout is not None else 0
-        self._writer.write(HEADER.pack(len(payload), call_id, kind, timeout_us) + payload)
+        self.transport.write(HEADER.pack(len(payload), call_id, kind, timeout_us) + payload)
         try:
             async with asyncio.timeout(timeout):
-                await self._writer.drain()  # returns at once unless the server has stopped reading
+                await self.drain()  # returns at once unless the server has stopped reading
                 code, body = await future
         except TimeoutError:
             self._cancel(call_id)
@@ -230,36 +320,13 @@ class LocalChannel:
         return METHODS[kind][2].FromString(body)
 
     def _cancel(self, call_id: int) -> None:
-        if self._closed is None and not self._writer.is_closing():
-            self._writer.write(HEADER.pack(0, call_id, CANCEL, 0))
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        reason = "the engine server closed the local socket"
-        try:
-            while True:
-                length, call_id, code, _ = HEADER.unpack(await reader.readexactly(HEADER.size))
-                body = await reader.readexactly(length) if length else b""
-                future = self._pending.get(call_id)
-                if future is not None and not future.done():
-                    future.set_result((code, body))
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
-            if not isinstance(e, asyncio.IncompleteReadError):
-                reason = f"local socket {self.path}: {e}"
-        finally:
-            code = grpc.StatusCode.CANCELLED if self._closed is not None else grpc.StatusCode.UNAVAILABLE  # closed here, or there
-            self._closed = self._closed or reason
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_result((code.value[0], self._closed.encode()))
+        if self._closed is None and not self.transport.is_closing():
+            self.transport.write(HEADER.pack(0, call_id, CANCEL, 0))
 
     async def close(self) -> None:
-        if self._writer is not None and self._closed is None:
+        if self.transport is not None and self._closed is None:
             self._closed = "the local channel is closed"
-            self._writer.close()
-            with contextlib.suppress(Exception):
-                await self._writer.wait_closed()
-        if self._reader_task is not None:
-            self._reader_task.cancel()
+            self.transport.close()
 
 
 class BlockingLocalClient:
