@@ -34,6 +34,7 @@ The model is all-MiniLM-L6-v2's tokenizer and configuration with max_seq_length 
 
     python bench/gateway.py                      # 10 s per measurement, 16 clients
     python bench/gateway.py --clients 4 --seconds 20 --workers 2
+    python bench/gateway.py --local-socket       # the gateway reaches the stub engine over its local socket
     python bench/gateway.py --latency --model DIR --device cuda   # (d) on the GPU: what HTTP adds over gRPC, p50
     python bench/gateway.py --latency --stub     # (d) against the stub engine: the gateway's cost on a CPU
     python bench/gateway.py --smoke              # (a)-(d) a second or a few requests each, CPU
@@ -121,10 +122,10 @@ class StubEngine:
         return _Rows(np.broadcast_to(self.row, (batch.num_seqs, self.row.size)).copy())
 
 
-def stub_server_main(model_dir: str, conn) -> None:
+def stub_server_main(model_dir: str, conn, local_socket: bool = False) -> None:
     from florist.server.service import ServerConfig, ServerThread
 
-    with ServerThread(StubEngine(Path(model_dir)), ServerConfig(port=0)) as srv:
+    with ServerThread(StubEngine(Path(model_dir)), ServerConfig(port=0, local_socket="auto" if local_socket else None)) as srv:
         conn.send(srv.address)
         conn.recv()  # until told to stop
 
@@ -260,12 +261,13 @@ def throughput(args, ctx) -> None:
             print(f"tokenization, one thread, {name}: {rate:.0f} texts/s")
 
         stub_conn, child = ctx.Pipe()
-        stub = ctx.Process(target=stub_server_main, args=(str(model_dir), child))
+        stub = ctx.Process(target=stub_server_main, args=(str(model_dir), child, args.local_socket))
         stub.start()
         engine_address = stub_conn.recv()
         gateway, url = serve("--engines", engine_address, "--model", str(model_dir), "--workers", str(args.workers))
         florist_result = measure(ctx, url, bodies, args)
-        results = {f"florist serve ({args.workers} worker{'s' if args.workers > 1 else ''}) + stub engine over gRPC": florist_result}
+        hop = "its local socket" if args.local_socket else "gRPC"
+        results = {f"florist serve ({args.workers} worker{'s' if args.workers > 1 else ''}) + stub engine over {hop}": florist_result}
 
         try:
             import fastapi  # noqa: F401
@@ -455,6 +457,7 @@ def main() -> int:
     p.add_argument("--latency-tokens", type=int, default=128, help="tokens per input of the latency run (default 128)")
     p.add_argument("--stub", action="store_true", help="latency run against the stub engine instead of a model (the gateway's own cost, on a CPU; --model unused)")
     p.add_argument("--requests", type=int, default=500, help="requests per path in the latency run (default 500)")
+    p.add_argument("--local-socket", action="store_true", help="the stub engine also serves its local socket, which the gateway then uses (default: gRPC only)")
     p.add_argument("--smoke", action="store_true", help="both runs, a second or a few requests each: the code path only")
     args = p.parse_args()
     if args.smoke:
