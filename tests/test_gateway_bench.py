@@ -9,14 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_gateway_bench_smoke():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gateway.py"), "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("flags,hop", [([], "gRPC"), (["--local-socket"], "its local socket")])
+def test_gateway_bench_smoke(flags, hop):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gateway.py"), "--smoke", *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"tokenization, one thread, florist TextProcessor.encode: \d+ texts/s", out.stdout)
-    row = re.search(r"florist serve \(1 worker\) \+ stub engine over gRPC\s+([0-9.]+)", out.stdout)
+    row = re.search(rf"florist serve \(1 worker\) \+ stub engine over {hop}\s+([0-9.]+)", out.stdout)
     assert row and float(row.group(1)) > 0, out.stdout
     assert re.search(r"HTTP /v1/embeddings \(text\) adds -?[0-9.]+ ms p50 over direct gRPC", out.stdout), out.stdout
 
