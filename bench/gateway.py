@@ -292,8 +292,11 @@ def throughput(args, ctx) -> None:
     finally:
         if gateway is not None:
             gateway.stop()
+        if stub is not None:
+            stub_conn.send("stop")  # the stub server stops cleanly (and removes its local socket)
+            stub.join(10)
         for proc in (baseline, stub):
-            if proc is not None:
+            if proc is not None and proc.is_alive():
                 proc.terminate()
                 proc.join(10)
         shutil.rmtree(tmp, ignore_errors=True)

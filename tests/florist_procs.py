@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Engine servers put their local sockets here, not in the user's runtime directory, and a test
+# that kills one leaves its socket here.
+RUNTIME_DIR = tempfile.mkdtemp(prefix="florist-test-run-")
+atexit.register(shutil.rmtree, RUNTIME_DIR, ignore_errors=True)
 
 
 class FloristProcess:
@@ -19,7 +26,8 @@ class FloristProcess:
 
     def __init__(self, *args: str, env: dict | None = None):
         self.args = args
-        full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **(env or {}))
+        full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), XDG_RUNTIME_DIR=RUNTIME_DIR,
+                        **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "florist.cli", *args], cwd=ROOT, env=full_env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []

@@ -315,3 +315,23 @@ def test_frames_are_split_out_of_any_chunking():
     over = local._Frames(max_payload=100)
     (header, body), = over.feed(local.HEADER.pack(101, 9, local.EMBED, 0))  # refused on its header alone
     assert header[:2] == (101, 9) and body is None
+
+
+def test_auto_sockets_of_dead_processes_are_swept_at_start(default_engine, tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    names = {f"florist-engine-{dead}-5001.sock": False, f"florist-engine-{os.getpid()}-5002.sock": True, f"other-{dead}.sock": True}
+    for name in names:
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(tmp_path / name))  # bound, never listening: what a killed server leaves
+        s.close()
+    (tmp_path / f"florist-engine-{dead}-5003.sock").write_text("not a socket")  # not ours to delete
+    with ServerThread(default_engine, ServerConfig(port=0, local_socket="auto")) as srv:
+        path = srv.running.local_socket
+        assert path == local.auto_path(srv.running.port) and path.startswith(str(tmp_path))
+        left = {p.name for p in tmp_path.iterdir()}
+    assert left == {n for n, keep in names.items() if keep} | {f"florist-engine-{dead}-5003.sock", os.path.basename(path)}
+    assert not os.path.exists(path)  # removed at stop

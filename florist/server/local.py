@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import logging
 import os
+import re
 import socket
 import stat
 import struct
@@ -51,11 +52,40 @@ STATUS = {code.value[0]: code for code in grpc.StatusCode}
 _OK = grpc.StatusCode.OK.value[0]
 
 
+_AUTO_NAME = re.compile(r"florist-engine-(\d+)-\d+\.sock")
+
+
 def auto_path(port: int) -> str:
     """Where `--local-socket auto` listens: the user's runtime directory (else the temp dir),
     named after the process and its gRPC port."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return os.path.join(base, f"florist-engine-{os.getpid()}-{port}.sock")
+
+
+def remove_stale_sockets(directory: str) -> list[str]:
+    """Deletes the `auto_path` sockets in `directory` whose process is gone (a server that was
+    killed cannot remove its own); returns their paths."""
+    removed = []
+    for name in os.listdir(directory):
+        m = _AUTO_NAME.fullmatch(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):  # another user's, or already gone
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class _Aborted(Exception):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +31,7 @@ from florist.server import proto, wire
 from florist.server.batcher import Batcher, DeadlineExpired
 from florist.server.config import ServerConfig
 from florist.server.generate import GenerateHandler
-from florist.server.local import LocalServer, auto_path
+from florist.server.local import LocalServer, auto_path, remove_stale_sockets
 from florist.server.metrics import ServerMetrics, make_metrics
 from florist.server.scheduler import Overloaded, Scheduler
 from florist.text import InputError
@@ -252,7 +253,11 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
     await server.start()
     local = None
     if config.local_socket:
-        local = LocalServer(service, auto_path(port) if config.local_socket == "auto" else config.local_socket, max_request)
+        path = config.local_socket
+        if path == "auto":
+            path = auto_path(port)
+            remove_stale_sockets(os.path.dirname(path))
+        local = LocalServer(service, path, max_request)
         try:
             await local.start()
         except OSError:
