@@ -343,10 +343,13 @@ class GatedEngine:
         return self.engine.step(batch)
 
 
-def test_cancelled_and_disconnected_clients_lose_their_queued_sequences(default_engine):
+@pytest.mark.parametrize("transport", ["grpc", "local"])
+def test_cancelled_and_disconnected_clients_lose_their_queued_sequences(default_engine, transport, tmp_path):
+    """Over gRPC, and over the local socket (florist/server/local.py: CANCEL frames, closed connections)."""
     engine = GatedEngine(default_engine)
     # One sequence per batch: the first two requests are in flight (stuck at the gate); the others queue.
-    with ServerThread(engine, ServerConfig(port=0, max_batch_seqs=1)) as srv:
+    local_socket = str(tmp_path / "gated.sock") if transport == "local" else None
+    with ServerThread(engine, ServerConfig(port=0, max_batch_seqs=1, local_socket=local_socket)) as srv:
 
         async def pending(client):
             health = await client.health()
@@ -365,11 +368,15 @@ def test_cancelled_and_disconnected_clients_lose_their_queued_sequences(default_
                 first = asyncio.ensure_future(client.embed([[101, 11, 102]]))
                 second = asyncio.ensure_future(client.embed([[101, 12, 102]]))
                 await wait_for(client, 0)
-                doomed_call = client._rpc["Embed"](proto.EmbedRequest(tokens=tokens([101, 21, 102, 101, 22, 102], [3, 3])))
+                if transport == "grpc":  # the call object itself
+                    doomed_call = client._rpc["Embed"](proto.EmbedRequest(tokens=tokens([101, 21, 102, 101, 22, 102], [3, 3])))
+                else:  # the task awaiting it: a CANCEL frame
+                    doomed_call = asyncio.ensure_future(client.embed([[101, 21, 102], [101, 22, 102]]))
                 await wait_for(client, 2)
                 other = InferenceClient(srv.address)
                 leaving = asyncio.ensure_future(other.embed([[101, 31, 102]] * 3))
                 await wait_for(client, 5)
+                assert client.transport == other.transport == transport
                 doomed_call.cancel()  # the client cancels...
                 await wait_for(client, 3)
                 await other.close()  # ...or goes away altogether
