@@ -381,7 +381,7 @@ def start_latency_servers(args, tmp: Path):
     model_dir = str(make_model_dir(tmp, 512))
     ctx = mp.get_context("spawn")
     stub_conn, child = ctx.Pipe()
-    stub = ctx.Process(target=stub_server_main, args=(model_dir, child))
+    stub = ctx.Process(target=stub_server_main, args=(model_dir, child, args.local_socket))
     stub.start()
     address = stub_conn.recv()
     gateway, url = serve("--engines", address, "--model", model_dir)
