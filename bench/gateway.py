@@ -43,6 +43,7 @@ The model is all-MiniLM-L6-v2's tokenizer and configuration with max_seq_length 
 # NOTE: no `from __future__ import annotations`: FastAPI reads the baseline handler's annotations
 # at run time, and they name a class local to baseline_main.
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -293,7 +294,8 @@ def throughput(args, ctx) -> None:
         if gateway is not None:
             gateway.stop()
         if stub is not None:
-            stub_conn.send("stop")  # the stub server stops cleanly (and removes its local socket)
+            with contextlib.suppress(OSError):  # a stub that died already gets terminate() below
+                stub_conn.send("stop")  # the stub server stops cleanly (and removes its local socket)
             stub.join(10)
         for proc in (baseline, stub):
             if proc is not None and proc.is_alive():

@@ -18,10 +18,10 @@ absent or cannot be opened. `local=False` keeps every call on gRPC.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import asyncio
 import ipaddress
 import logging
+from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import grpc

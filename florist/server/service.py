@@ -95,13 +95,8 @@ class InferenceService:
     async def Info(self, request, context):
         return self._info_response
 
-    @property
-    def local_socket(self) -> str:
-        return self._info_response.local_socket
-
-    @local_socket.setter
-    def local_socket(self, path: str) -> None:
-        """Advertised in Info, for clients on this host (florist/server/local.py)."""
+    def advertise_local_socket(self, path: str) -> None:
+        """Info names the local socket, for clients on this host (florist/server/local.py)."""
         self._info_response.local_socket = path
 
     # -- implementation ------------------------------------------------------------------------
@@ -264,7 +259,7 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
             await server.stop(None)
             await batcher.stop()
             raise
-        service.local_socket = local.path
+        service.advertise_local_socket(local.path)
     metrics_http = metrics.serve(config.metrics_port, config.host) if config.metrics_port is not None else None
     spinner = None
     if config.busy_poll:
