@@ -258,7 +258,7 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
     dtype = ["--dtype", args.dtype] if args.dtype else []
     florist = Proc("florist", [sys.executable, "-m", "florist.cli", "serve", "--port", "0", "--model", str(model["path"]),
                                "--device", args.device, "--workers", str(args.workers), *dtype, *(["--busy-poll"] if args.busy_poll else []),
-                               *(["--no-local-socket"] if args.no_local_socket else [])], env)
+                               *(["--gateway-busy-poll"] if args.gateway_busy_poll else []), *(["--no-local-socket"] if args.no_local_socket else [])], env)
     baseline = Proc("baseline", [sys.executable, str(ROOT / "bench" / "baseline_server.py"), "--model", str(model["path"]), "--task", model["task"],
                                  "--device", args.device, "--port", "0", "--http", args.baseline_http, *dtype], env)
     try:
@@ -576,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="default: cuda when present (cpu with --smoke)")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--workers", type=int, default=1, help="florist gateway workers (default 1; the baseline runs one uvicorn worker)")
-    p.add_argument("--busy-poll", action="store_true", help="run florist's engine server with --busy-poll (its event loop never sleeps)")
+    p.add_argument("--busy-poll", action="store_true", help="run `florist serve --busy-poll`: the engine servers' event loops never sleep while idle")
+    p.add_argument("--gateway-busy-poll", action="store_true", help="run `florist serve --gateway-busy-poll`: the gateway's loop turns while idle and polls for lone replies")
     p.add_argument("--no-local-socket", action="store_true", help="run `florist serve --no-local-socket`: gateway to engine over gRPC only")
     p.add_argument("--baseline-http", default="auto", choices=["auto", "fastapi", "aiohttp"], help="the baseline's HTTP server (auto: FastAPI when importable)")
     p.add_argument("--smoke", action="store_true", help="tiny models on the CPU, a few requests: the code path only")

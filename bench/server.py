@@ -24,7 +24,9 @@ event-loop layer costs over direct step(), apart from the transport.
 
 The same batch-1 round trip also goes over the server's local socket (florist/server/local.py,
 what a gateway on the same host uses): with florist's InferenceClient (asyncio) and with a
-blocking client, plus a Health call with the latter (that transport's floor).
+blocking client, plus a Health call with the latter (that transport's floor); each client once
+sleeping until the reply lands and once polling for it (--client-spin-ms, as
+`florist serve --busy-poll`'s gateway does), which saves the client process its wake-up.
 
 Outputs are checked before timing (cosine >= 0.999 against the embedded API). With --busy-poll
 on (or both) the server runs with --busy-poll (its event loop never sleeps). The server is run
@@ -210,6 +212,10 @@ async def through_server(address: str, engine, w) -> dict:
         assert client.transport == "local", "the server advertised no local socket this client could open"
         out["cosine"] = min(out["cosine"], cosine_min(got, engine.embed([w.latency_seq.tolist()])))
         out["latency_local"] = await atimes_ms(lambda: client.embed([w.latency_seq]), w.latency_n, w.warmup)
+    async with InferenceClient(address, timeout=600, spin_ms=w.client_spin_ms) as client:  # the same, polling for the reply
+        await client.embed([w.latency_seq])
+        assert client.transport == "local"
+        out["latency_local_poll"] = await atimes_ms(lambda: client.embed([w.latency_seq]), w.latency_n, w.warmup)
     return out
 
 
@@ -218,10 +224,13 @@ def local_sync_latency(path: str, w) -> dict:
     from florist.server import proto, wire
     from florist.server.local import BlockingLocalClient
 
-    with BlockingLocalClient(path, timeout=600) as client:
-        request = proto.EmbedRequest(tokens=wire.encode_tokens([w.latency_seq], proto.TokenBatch))
-        return {"latency_local_sync": times_ms(lambda: wire.decode_matrix(client.call("Embed", request).embeddings), w.latency_n, w.warmup),
-                "health_local_sync": times_ms(lambda: client.call("Health", proto.HealthRequest()), w.latency_n, w.warmup)}
+    request = proto.EmbedRequest(tokens=wire.encode_tokens([w.latency_seq], proto.TokenBatch))
+    out = {}
+    for suffix, spin_ms in (("", 0.0), ("_poll", w.client_spin_ms)):
+        with BlockingLocalClient(path, timeout=600, spin_s=spin_ms / 1e3) as client:
+            out["latency_local_sync" + suffix] = times_ms(lambda: wire.decode_matrix(client.call("Embed", request).embeddings), w.latency_n, w.warmup)
+            out["health_local_sync" + suffix] = times_ms(lambda: client.call("Health", proto.HealthRequest()), w.latency_n, w.warmup)
+    return out
 
 
 def times_ms(call, n: int, warmup: int) -> list[float]:
@@ -330,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-n", type=int, default=500)
     p.add_argument("--max-batch-tokens", type=int, default=None, help="default: the server's own default")
     p.add_argument("--spin-ms", default="2,0", help="comma-separated server --spin-ms values to compare")
+    p.add_argument("--client-spin-ms", type=float, default=5.0, help="how long the polling local-socket clients poll for a reply before sleeping (default 5)")
     p.add_argument("--busy-poll", default="off", choices=["off", "on", "both"], help="run the server with --busy-poll (on), without (off), or each spin value both ways")
     w = p.parse_args(argv)
     if w.smoke:
@@ -409,7 +419,8 @@ def report(info, w, d: dict, served: dict) -> None:
         print(row)
     d_lat = percentiles(d["latency"])
     for key, client in (("latency_sync", "sync gRPC client"), ("latency_aio", "grpc.aio client"),
-                        ("latency_local_sync", "local socket, blocking"), ("latency_local", "local socket, asyncio")):
+                        ("latency_local_sync", "local socket, blocking"), ("latency_local", "local socket, asyncio"),
+                        ("latency_local_sync_poll", "local, blocking, polling"), ("latency_local_poll", "local, asyncio, polling")):
         for q in ("p50", "p90", "p99"):
             row = f"{f'{w.latency_tokens}-token batch-1 round trip {q}, ms, {client}':<66}{d_lat[q]:>14.3f}"
             for res in served.values():
@@ -427,7 +438,8 @@ def report(info, w, d: dict, served: dict) -> None:
         cell = f"{a['p50']:.3f} / {a['p99']:.3f}"
         row += f"{cell:>{width}}{'':>8}"
     print(row)
-    for key, client in (("health_sync", "sync gRPC client"), ("health_aio", "grpc.aio client"), ("health_local_sync", "local socket, blocking")):
+    for key, client in (("health_sync", "sync gRPC client"), ("health_aio", "grpc.aio client"), ("health_local_sync", "local socket, blocking"),
+                        ("health_local_sync_poll", "local, blocking, polling")):
         row = f"{f'Health round trip p50, ms, {client} (the floor)':<66}{'-':>14}"
         for res in served.values():
             row += f"{percentiles(res[key])['p50']:>{width}.3f}{'':>8}"

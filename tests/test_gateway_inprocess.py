@@ -135,3 +135,62 @@ def test_refuses_to_start_on_a_tokenizer_other_than_the_engines(default_engine, 
         with pytest.raises(ValueError, match="is not the tokenizer the engine uses"):
             with GatewayThread(GatewayConfig(engines=(srv.address,), port=0, model=str(bert_dir))):
                 pass
+
+
+def test_busy_poll_spins_only_while_idle_and_polls_for_lone_replies(default_engine, tmp_path):
+    """GatewayConfig.busy_poll: the loop-turning task runs while no request is in flight and waits
+    while one is; the engine client polls for its replies; answers stay the embedded API's; the
+    task ends with the gateway."""
+    texts = ["a rose in the garden", "tulips need sun"]
+    want = default_engine.embed(texts)
+    config = ServerConfig(port=0, local_socket=str(tmp_path / "engine.sock"))
+    with ServerThread(default_engine, config) as srv:
+        gw = gateway(srv, busy_poll=True, reply_spin_ms=3.0).start()
+        try:
+            spinner, pipeline = gw.running.busy_poll, gw.running.pipeline
+            assert spinner is not None and spinner.get_coro().__name__ == "_keep_turning" and not spinner.done()
+            replica = pipeline.balancer.replicas[0]
+            for _ in range(3):
+                status, _, body = call(gw.url, "/v1/embeddings", {"input": texts})
+                assert status == 200, body
+                np.testing.assert_allclose([d["embedding"] for d in body["data"]], want, **TOL)
+            assert replica.client.transport == "local" and replica.client._local.spin_s == pytest.approx(0.003)
+            assert pipeline.in_flight == 0 and pipeline.idle.is_set()
+            spin_if = replica.client._local.spin_if  # polls only for the request that is alone in the gateway
+            seen = []
+            for n in (1, 2, 5, 0):
+                pipeline.in_flight = n  # as the middleware counts them
+                seen.append(spin_if())
+            assert seen == [True, False, False, True]
+        finally:
+            gw.stop()
+        assert spinner.cancelled()
+        with gateway(srv) as plain:
+            assert plain.running.busy_poll is None
+            assert call(plain.url, "/v1/embeddings", {"input": texts})[0] == 200
+            assert plain.running.pipeline.balancer.replicas[0].client._local.spin_s == 0.0
+
+
+def test_requests_in_flight_clear_the_idle_flag(default_engine):
+    """The middleware's count: a request held in the engine keeps `idle` clear (busy poll waits
+    then, leaving the GIL to the tokenizer threads); it is set again when the answer is out,
+    an error answer included."""
+    gated = GatedEngine(default_engine)
+    with ServerThread(gated, ServerConfig(port=0, local_socket=None)) as srv, gateway(srv) as gw:
+        pipeline = gw.running.pipeline
+        gated.gate.set()
+        assert call(gw.url, "/v1/embeddings", {"input": "warm up"})[0] == 200  # the gateway's start-up probes are done
+        gated.gate.clear()
+        done = []
+        worker = threading.Thread(target=lambda: done.append(call(gw.url, "/v1/embeddings", {"input": "held"})[0]))
+        worker.start()
+        for _ in range(200):
+            if pipeline.in_flight:
+                break
+            threading.Event().wait(0.01)
+        assert pipeline.in_flight == 1 and not pipeline.idle.is_set()
+        gated.gate.set()
+        worker.join(30)
+        assert done == [200] and pipeline.in_flight == 0 and pipeline.idle.is_set()
+        assert call(gw.url, "/v1/embeddings", {"input": "x", "model": "another-model"})[0] == 404
+        assert pipeline.in_flight == 0 and pipeline.idle.is_set()

@@ -261,6 +261,11 @@ def test_serve_flag_turns_the_local_socket_off_on_both_ends(monkeypatch, flags, 
     assert seen["config"].local_socket is gateway_local
     args = seen["engine_args"]
     assert (args[args.index("--local-socket"):][:2] if "--local-socket" in args else None) == engine_flag
+    assert seen["config"].busy_poll is False and "--busy-poll" not in args
+    assert cli.run(p.parse_args(["--device", "cpu", "--busy-poll", *flags])) == 0  # the engines poll
+    assert seen["config"].busy_poll is False and "--busy-poll" in seen["engine_args"]
+    assert cli.run(p.parse_args(["--device", "cpu", "--gateway-busy-poll", *flags])) == 0  # the gateway polls
+    assert seen["config"].busy_poll is True and "--busy-poll" not in seen["engine_args"]
 
 
 def test_frames_are_split_out_of_any_chunking():
@@ -293,3 +298,98 @@ def test_auto_sockets_of_dead_processes_are_swept_at_start(default_engine, tmp_p
         left = {p.name for p in tmp_path.iterdir()}
     assert left == {n for n, keep in names.items() if keep} | {f"florist-engine-{dead}-5003.sock", os.path.basename(path)}
     assert not os.path.exists(path)  # removed at stop
+
+
+class SlowPeer:
+    """A stand-in server on a Unix socket: answers each call with a HealthResponse `delay_s` after
+    reading it (what the polling clients wait for)."""
+
+    def __init__(self, path: str, delay_s: float):
+        import threading
+
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(1)
+        self.delay_s = delay_s
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import time
+
+        conn, _ = self.listener.accept()
+        with conn:
+            frames = local._Frames()
+            while data := conn.recv(65536):
+                for (_, call_id, _, _), _ in frames.feed(data):
+                    time.sleep(self.delay_s)
+                    body = proto.HealthResponse(status=proto.HealthResponse.SERVING, pending_sequences=call_id).SerializeToString()
+                    conn.sendall(local.HEADER.pack(len(body), call_id, 0, 0) + body)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("delay_s,spin_s", [(0.0, 0.5), (0.05, 0.5), (0.05, 0.005)], ids=["at-once", "within-window", "after-window"])
+def test_polling_clients_return_when_the_reply_lands(tmp_path, delay_s, spin_s):
+    """spin_s: the clients poll for the reply, and return as soon as it is there (well before a
+    long window ends); a reply later than the window is still read, by a sleeping read."""
+    import time
+
+    for kind in ("blocking", "asyncio"):
+        path = str(tmp_path / f"{kind}.sock")
+        peer = SlowPeer(path, delay_s)
+        try:
+            if kind == "blocking":
+                with local.BlockingLocalClient(path, timeout=10, spin_s=spin_s) as client:
+                    t = time.perf_counter()
+                    answers = [client.call("Health", proto.HealthRequest()).pending_sequences for _ in range(3)]
+                    took = time.perf_counter() - t
+            else:
+
+                async def go():
+                    channel = local.LocalChannel(path, spin_s=spin_s)
+                    await channel.connect()
+                    t = time.perf_counter()
+                    got = [(await channel.call("Health", proto.HealthRequest(), timeout=10)).pending_sequences for _ in range(3)]
+                    took = time.perf_counter() - t
+                    await channel.close()
+                    return got, took
+
+                answers, took = run(go())
+            assert answers == [1, 2, 3], kind
+            assert 3 * delay_s <= took < 3 * delay_s + 0.3, (kind, took)  # not the 1.5 s of three whole windows
+        finally:
+            peer.close()
+
+
+def test_an_asyncio_call_polls_only_while_it_is_alone(tmp_path, monkeypatch):
+    """A lone call turns the loop (sleep(0)) until its reply lands; with other calls in flight a
+    polling LocalChannel waits as usual (the loop has their work to do)."""
+    peer = SlowPeer(str(tmp_path / "peer.sock"), 0.02)
+    turns = []
+    sleep = asyncio.sleep
+
+    channel = local.LocalChannel(str(tmp_path / "peer.sock"), spin_s=1.0)
+
+    async def counting_sleep(delay, *a, **kw):
+        if delay == 0:
+            turns.append(len(channel._pending))
+        return await sleep(delay, *a, **kw)
+
+    async def go():
+        await channel.connect()
+        monkeypatch.setattr(local.asyncio, "sleep", counting_sleep)
+        alone = await channel.call("Health", proto.HealthRequest(), timeout=10)
+        lone_turns = len(turns)
+        together = await asyncio.gather(*(channel.call("Health", proto.HealthRequest(), timeout=10) for _ in range(2)))
+        await channel.close()
+        return alone, together, lone_turns
+
+    try:
+        alone, together, lone_turns = run(go())
+    finally:
+        peer.close()
+    assert alone.pending_sequences == 1 and sorted(r.pending_sequences for r in together) == [2, 3]
+    assert lone_turns > 20 and set(turns) == {1}  # ~20 ms of turns for the lone call, none with two in flight
+    assert len(turns) - lone_turns < 5  # the pair waited without polling (the first turned at most until the second was sent)

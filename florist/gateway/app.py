@@ -45,6 +45,8 @@ async def _guard(request: web.Request, handler) -> web.StreamResponse:
     resource = getattr(request.match_info.route, "resource", None)
     route = resource.canonical if resource is not None else "unmatched"
     family = request.app[FAMILIES].get(route) or family_of_path(request.path)
+    pipeline.in_flight += 1
+    pipeline.idle.clear()
     try:
         _authorize(request, pipeline.config.api_key)
         limit = pipeline.config.payload_limit_bytes
@@ -60,6 +62,10 @@ async def _guard(request: web.Request, handler) -> web.StreamResponse:
     except Exception:
         log.exception("unexpected error serving %s %s", request.method, request.path)
         response = _render(family, ApiError(500, "the gateway failed on this request (see its log); retry, or report it if it repeats"))
+    finally:
+        pipeline.in_flight -= 1
+        if not pipeline.in_flight:
+            pipeline.idle.set()
     pipeline.metrics.observe_request(route, response.status, time.perf_counter() - started)
     return response
 

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pending-tokens", type=int, default=None, help="tokens an engine queues before answering 429 (engine default)")
     p.add_argument("--busy-poll", action="store_true",
                    help="engine servers keep their event loop spinning while idle: lower batch-1 latency for one CPU core per replica kept busy (GPU engines)")
+    p.add_argument("--gateway-busy-poll", action="store_true",
+                   help="gateway workers keep their event loop turning while no request is in flight, and a lone request polls for its "
+                        "engine's reply over the local socket rather than sleeping (batch-1 latency, for a CPU core per worker)")
     p.add_argument("--no-local-socket", action="store_true",
                    help="gateway and engines talk gRPC only (by default an engine on this host also serves Embed / Score on a Unix "
                         "socket, which the gateway uses: less latency per request)")
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         engines=engines, model=args.model, host=args.host, port=args.port, api_key=args.api_key or None,
         payload_limit_bytes=args.payload_limit, max_inputs=args.max_inputs, chunk_seqs=args.chunk_seqs, chunk_tokens=args.chunk_tokens,
         tokenization_workers=args.tokenization_workers or tokenization_threads(args.workers), reuse_port=args.workers > 1,
-        local_socket=not args.no_local_socket,
+        local_socket=not args.no_local_socket, busy_poll=args.gateway_busy_poll,
     )
     passed = (("--model", args.model), ("--dtype", args.dtype), ("--task", args.task), ("--max-batch-tokens", args.max_batch_tokens), ("--max-pending-tokens", args.max_pending_tokens))
     engine_args = [a for flag, value in passed if value is not None for a in (flag, str(value))] + (["--busy-poll"] if args.busy_poll else [])

@@ -7,6 +7,7 @@ input, and `/rerank`, `/v1/rerank` and `/v1/score` the same scores.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -38,6 +39,9 @@ class Pipeline:
         self.processor = tokenization.processor
         self.balancer = dispatcher.balancer
         self.started = time.time()
+        self.in_flight = 0  # HTTP requests being handled (the middleware counts them)
+        self.idle = asyncio.Event()  # set while in_flight is 0 (GatewayConfig.busy_poll spins only then)
+        self.idle.set()
 
     # -- checks shared by routes -------------------------------------------------------------------
     def require(self, task: str, route: str) -> None:

@@ -30,10 +30,12 @@ from florist.server.client import InferenceClient
 
 
 class RunningGateway:
-    def __init__(self, runner: web.AppRunner, pipeline: Pipeline, port: int):
-        self.runner, self.pipeline, self.port = runner, pipeline, port
+    def __init__(self, runner: web.AppRunner, pipeline: Pipeline, port: int, busy_poll: asyncio.Task | None = None):
+        self.runner, self.pipeline, self.port, self.busy_poll = runner, pipeline, port, busy_poll
 
     async def stop(self) -> None:
+        if self.busy_poll is not None:
+            self.busy_poll.cancel()
         await self.runner.cleanup()
         await self.pipeline.balancer.close()
         self.pipeline.tokenization.close()
@@ -41,8 +43,14 @@ class RunningGateway:
 
 async def start_gateway(config: GatewayConfig) -> RunningGateway:
     metrics = GatewayMetrics()
+    pipeline: Pipeline | None = None
+
+    def lone_request() -> bool:  # busy poll: an engine reply is polled for only while its request is the only one
+        return pipeline is not None and pipeline.in_flight <= 1
+
     balancer = Balancer(config.engines, interval_s=config.health_interval_s, on_change=metrics.replica_changed,
-                        client_factory=functools.partial(InferenceClient, local=config.local_socket))
+                        client_factory=functools.partial(InferenceClient, local=config.local_socket,
+                                                         spin_ms=config.reply_spin_ms if config.busy_poll else 0.0, spin_if=lone_request))
     try:
         info = await balancer.start(config.startup_timeout_s)
         processor = load_text_processor(info, config.model)
@@ -66,7 +74,17 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
         await RunningGateway(runner, pipeline, 0).stop()
         raise OSError(f"cannot listen on {config.host}:{config.port} ({e.strerror}); pick another --port") from None
     port = runner.addresses[0][1]
-    return RunningGateway(runner, pipeline, port)
+    spinner = asyncio.get_running_loop().create_task(_keep_turning(pipeline.idle), name="florist-gateway-busy-poll") if config.busy_poll else None
+    return RunningGateway(runner, pipeline, port, spinner)
+
+
+async def _keep_turning(idle: asyncio.Event) -> None:
+    """GatewayConfig.busy_poll: while no request is in flight this task is always ready, so the
+    event loop polls its sockets without sleeping and the next request is read by a core that
+    never went idle. While requests are in flight it waits: the tokenizer threads need the GIL."""
+    while True:
+        await idle.wait()
+        await asyncio.sleep(0)
 
 
 def run_loop(main) -> None:

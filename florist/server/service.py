@@ -18,6 +18,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 # Request messages are bounded by max_pending_tokens (12 bytes per token at most: id, and per
 # sequence a length and a first-segment length); responses are not bounded here.
 _MESSAGE_SLACK_BYTES = 1 << 20
+# sys.setswitchinterval under ServerConfig.busy_poll (see start_server).
+BUSY_POLL_SWITCH_S = 0.0002
 
 
 class _Abort(Exception):
@@ -266,6 +269,10 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
         if not str(engine.info.device).startswith("cuda"):
             log.warning("busy poll on a %s engine: the spinning event loop takes the CPU (and the GIL) the model runs on, "
                         "so batches get slower; it is meant for GPU engines", engine.info.device)
+        # The turning loop holds the GIL between turns; a thread that needs it (grpc's poller, the
+        # thread a batch's wait is parked on) gets it only when the holder is asked to drop it,
+        # after the switch interval (5 ms by default), and a call needs several such hand-offs.
+        sys.setswitchinterval(min(sys.getswitchinterval(), BUSY_POLL_SWITCH_S))
         spinner = asyncio.get_running_loop().create_task(_keep_turning(batcher.idle, service.generation), name="florist-busy-poll")
     return RunningServer(server, service, batcher, port, metrics, metrics_http, spinner, local)
 
