@@ -4,6 +4,7 @@ on the same ids: nothing lost, nothing swapped between requests, options applied
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 import urllib.request
@@ -15,7 +16,7 @@ import pytest
 from florist.engine.output import finalize_scores
 from florist.server import proto
 from florist.server.client import InferenceClient
-from florist.server.service import ServerConfig, ServerThread
+from florist.server.service import BUSY_POLL_SWITCH_S, ServerConfig, ServerThread
 
 # CPU fp32: the same sequence in different batches differs by ~1e-7 (BLAS blocking).
 TOL = dict(rtol=1e-4, atol=2e-6)
@@ -172,13 +173,17 @@ def test_timing_metadata_only_when_asked(embed_server, default_engine):
 def test_busy_poll_keeps_the_loop_turning_and_stops_with_the_server(default_engine, caplog):
     """--busy-poll: a task that is always ready runs on the server's loop while it serves (so the
     loop never sleeps), answers stay the embedded API's, and stopping the server ends the task.
+    While it runs the GIL switch interval is short (threads waiting for the GIL held by the turning
+    loop get it soon); stopping restores it.
     On a CPU engine the server warns that the spinning loop slows the model down."""
     ids = [[101, 7592, 2088, 102], [101, 2023, 102]]
     want = default_engine.embed(ids)
+    switch_interval = sys.getswitchinterval()
     srv = ServerThread(default_engine, ServerConfig(port=0, busy_poll=True)).start()
     try:
         spinner = srv.running.busy_poll
         assert spinner is not None and spinner.get_coro().__name__ == "_keep_turning"
+        assert sys.getswitchinterval() == pytest.approx(min(switch_interval, BUSY_POLL_SWITCH_S))  # other threads get the GIL soon
         time.sleep(0.05)
         assert not spinner.done()
 
@@ -189,7 +194,7 @@ def test_busy_poll_keeps_the_loop_turning_and_stops_with_the_server(default_engi
         np.testing.assert_allclose(run(ask()), want, **TOL)
     finally:
         srv.stop()
-    assert spinner.cancelled()
+    assert spinner.cancelled() and sys.getswitchinterval() == switch_interval
     assert any("busy poll on a cpu engine" in r.getMessage() for r in caplog.records), caplog.text
     with ServerThread(default_engine, ServerConfig(port=0)) as plain:
         assert plain.running.busy_poll is None

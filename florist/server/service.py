@@ -198,9 +198,10 @@ class RunningServer:
     """A started server on the current event loop: `port`, `stop()`, `wait_for_termination()`."""
 
     def __init__(self, server, service: InferenceService, batcher: Batcher, port: int, metrics: ServerMetrics, metrics_http=None,
-                 busy_poll: asyncio.Task | None = None, local: LocalServer | None = None):
+                 busy_poll: asyncio.Task | None = None, local: LocalServer | None = None, switch_interval: float | None = None):
         self.server, self.service, self.batcher, self.port = server, service, batcher, port
         self.metrics, self.metrics_http, self.busy_poll, self.local = metrics, metrics_http, busy_poll, local
+        self.switch_interval = switch_interval  # sys.getswitchinterval() before busy poll lowered it
 
     @property
     def local_socket(self) -> str | None:
@@ -218,6 +219,7 @@ class RunningServer:
         await self.server.stop(grace)
         if self.busy_poll is not None:
             self.busy_poll.cancel()
+            sys.setswitchinterval(self.switch_interval)
         self.service.generation.close()
         await self.batcher.stop()
         if self.metrics_http is not None:
@@ -264,7 +266,7 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
             raise
         service.advertise_local_socket(local.path)
     metrics_http = metrics.serve(config.metrics_port, config.host) if config.metrics_port is not None else None
-    spinner = None
+    spinner, switch_interval = None, None
     if config.busy_poll:
         if not str(engine.info.device).startswith("cuda"):
             log.warning("busy poll on a %s engine: the spinning event loop takes the CPU (and the GIL) the model runs on, "
@@ -272,9 +274,10 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
         # The turning loop holds the GIL between turns; a thread that needs it (grpc's poller, the
         # thread a batch's wait is parked on) gets it only when the holder is asked to drop it,
         # after the switch interval (5 ms by default), and a call needs several such hand-offs.
-        sys.setswitchinterval(min(sys.getswitchinterval(), BUSY_POLL_SWITCH_S))
+        switch_interval = sys.getswitchinterval()  # restored at stop
+        sys.setswitchinterval(min(switch_interval, BUSY_POLL_SWITCH_S))
         spinner = asyncio.get_running_loop().create_task(_keep_turning(batcher.idle, service.generation), name="florist-busy-poll")
-    return RunningServer(server, service, batcher, port, metrics, metrics_http, spinner, local)
+    return RunningServer(server, service, batcher, port, metrics, metrics_http, spinner, local, switch_interval)
 
 
 async def _keep_turning(idle: asyncio.Event, generation: GenerateHandler) -> None:
