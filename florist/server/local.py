@@ -344,9 +344,7 @@ class LocalChannel(_Writer, asyncio.Protocol):
             async with asyncio.timeout(timeout):
                 await self.drain()  # returns at once unless the server has stopped reading
                 if self.spin_s > 0:
-                    until = time.perf_counter() + self.spin_s
-                    while not future.done() and len(self._pending) == 1 and time.perf_counter() < until and (self.spin_if is None or self.spin_if()):
-                        await asyncio.sleep(0)
+                    await self._poll(future)
                 code, body = await future
         except TimeoutError:
             self._cancel(call_id)
@@ -361,6 +359,15 @@ class LocalChannel(_Writer, asyncio.Protocol):
         if code != _OK:
             raise _error(STATUS.get(code, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
         return METHODS[kind][2].FromString(body)
+
+    async def _poll(self, future: asyncio.Future) -> None:
+        """Turn the loop until `future` is done, for up to spin_s, while its call is the only one
+        in flight and spin_if() allows."""
+        until = time.perf_counter() + self.spin_s
+        while not future.done() and len(self._pending) == 1 and time.perf_counter() < until:
+            if self.spin_if is not None and not self.spin_if():
+                return
+            await asyncio.sleep(0)
 
     def _cancel(self, call_id: int) -> None:
         if self._closed is None and not self.transport.is_closing():
