@@ -272,6 +272,14 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
     return {"florist": florist, "baseline": baseline}
 
 
+CAPTURED = re.compile(r"captured a CUDA graph .* in ([\d.]+) ms")
+
+
+def captures(lines: list[str]) -> list[float]:
+    """The capture times (ms) in a florist server's log lines (florist/engine/graph_runner.py)."""
+    return [float(m.group(1)) for line in lines if (m := CAPTURED.search(line))]
+
+
 def wait_health(server: Proc, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -640,12 +648,16 @@ def main(argv: list[str] | None = None) -> int:
                     if cell.skipped:
                         continue
                     for server in SERVERS:  # one after the other, cell by cell: drift hits both alike
-                        t = time.perf_counter()
+                        t, logged = time.perf_counter(), len(servers[server].lines)
                         cell.results[server] = measure(cell, urls[server], args.cell_seconds)
                         r = cell.results[server]
+                        if server == "florist":  # CUDA graphs the engine captured meanwhile (warm-up included): a capture stalls its batch
+                            r["graphs_captured"] = captures(servers[server].lines[logged:])
                         print(f"  {cell.key:<58} {server:<9} n {r['n']:>4}  p50 {r['p50']:9.2f} ms  p99 {r['p99']:9.2f} ms  "
                               f"{r['items_per_s']:9.1f} {'emb' if task == 'embed' else 'pairs'}/s  ({time.perf_counter() - t:.1f} s)"
-                              + (f"  {r['retries']} retries after 429 / 503" if r["retries"] else ""), flush=True)
+                              + (f"  {r['retries']} retries after 429 / 503" if r["retries"] else "")
+                              + (f"  {len(r['graphs_captured'])} graphs captured ({sum(r['graphs_captured']):.0f} ms)" if r.get("graphs_captured") else ""),
+                              flush=True)
                         meta["elapsed_s"] = time.perf_counter() - started
                         write_json(out, all_cells, meta)  # after every cell: a run stopped at its time limit keeps what it measured
             finally:

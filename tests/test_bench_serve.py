@@ -94,3 +94,16 @@ def test_baseline_models_match_the_embedded_api(tmp_path, geometry, variant, kin
     else:
         docs = ["the rose needs sun and water", "search engine", "which flower is red"]
         np.testing.assert_allclose(model.score("which flower needs sun", docs), engine.score("which flower needs sun", docs), atol=1e-5)
+
+
+def test_capture_times_are_read_from_the_engine_log():
+    """bench/serve.py reports the graphs the engine captured during a cell from its log lines."""
+    from florist.engine.graph_runner import CAPTURE_LOG
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import serve
+
+    lines = ["2026-11-30 INFO florist.engine.graph_runner: " + CAPTURE_LOG % (1536, 3, 512, 41.25, 7, 180.0) + "\n",
+             "[engine 0] something else\n", CAPTURE_LOG % (512, 1, 512, 9.0, 8, 181.0)]
+    assert serve.captures(lines) == [41.2, 9.0]
+    assert serve.captures(["florist engine-server: listening on 127.0.0.1:1"]) == []

@@ -118,3 +118,46 @@ def test_many_batches_in_flight_keep_their_own_inputs(qwen3_dir):
     lazies = [engine.step(h) for h in hosts]  # all launched before any is read
     for got, expected in zip((lz.numpy() for lz in lazies), want):
         np.testing.assert_allclose(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_captures_are_timed_logged_and_replay_like_eager(qwen3_dir, caplog):
+    """Each capture is counted, timed and logged (bench/serve.py reads the log), and replays
+    give the eager output."""
+    import logging
+
+    from florist.engine.graph_runner import CAPTURE_LOG
+
+    engine = florist.Engine.from_pretrained(qwen3_dir, device="cuda")
+    rng = np.random.default_rng(3)
+    hosts = [HostBatch.from_sequences([rng.integers(5, engine.info.vocab_size, size=n) for n in sizes]) for sizes in ([40], [7, 90, 33])]
+    with caplog.at_level(logging.INFO, logger="florist.engine.graph_runner"):
+        for host in hosts:
+            outs = [engine.step(host).numpy().copy() for _ in range(4)]  # eager, capture, replay, replay
+            np.testing.assert_allclose(outs[1], outs[0], atol=1e-3, rtol=1e-3)
+            np.testing.assert_allclose(outs[3], outs[2], atol=1e-6, rtol=1e-5)
+    stats = engine.runner.graphs.stats()
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith(CAPTURE_LOG.split(" for ")[0])]
+    assert stats["graphs"] == 2 and len(logged) == 2 and stats["capture_seconds"] > 0, (stats, logged)
+
+
+def test_a_capture_while_another_thread_waits_on_a_batch(qwen3_dir):
+    """The server parks the wait for a long batch on a thread (batcher.py) and may capture a graph
+    for the next batch meanwhile: the thread's event wait must not break the capture. Whether the
+    wait overlaps the capture depends on timing; it does when the first batch is still running."""
+    import threading
+
+    engine = florist.Engine.from_pretrained(qwen3_dir, device="cuda")
+    rng = np.random.default_rng(4)
+    big = HostBatch.from_sequences([rng.integers(5, engine.info.vocab_size, size=250) for _ in range(64)])  # 16,000 tokens
+    small = HostBatch.from_sequences([rng.integers(5, engine.info.vocab_size, size=50)])
+    want = engine.step(small).numpy().copy()  # first sight: eager
+    for _ in range(3):
+        lazy = engine.step(big)
+        waited = []
+        waiter = threading.Thread(target=lambda: waited.append(lazy.numpy().shape))
+        waiter.start()
+        got = engine.step(small).numpy()  # the second sight captures (then replays)
+        waiter.join(60)
+        assert waited == [(64, engine.info.dimensions)]
+        np.testing.assert_allclose(got, want, atol=1e-3, rtol=1e-3)
+    assert engine.runner.graphs.stats()["graphs"] >= 1

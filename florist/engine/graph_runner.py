@@ -17,10 +17,17 @@ A graph's static state is one `_Graph` object: the packed int32 input buffer the
 the output tensor it writes. Padding is harmless by construction: padding tokens belong to a dummy
 sequence whose pooled row is sliced off, and attention never mixes sequences.
 Batches above `max_tokens` run eagerly (there the GPU time dwarfs launch costs).
+
+A capture happens while a server runs (it stalls that batch by tens of ms), so each is logged
+with its time; `stats()` sums them. Capturing without what `torch.cuda.graph` does first
+(synchronize, empty the device and pinned-host caches) was tried and stalled requests for up to
+1.5 s under load (docs/benchmarks.md), so captures go through `torch.cuda.graph`.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -29,6 +36,10 @@ import torch
 
 from florist.engine.batch import HostBatch, RaggedBatch, pack, packed_size, views
 from florist.engine.staging import InputStaging
+
+log = logging.getLogger(__name__)
+# Read back by bench/serve.py (graphs captured while a cell ran): keep "captured a CUDA graph" and "in N ms".
+CAPTURE_LOG = "captured a CUDA graph for %d tokens, up to %d sequences, longest %d, in %.1f ms (%d graphs, %.0f MiB)"
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -66,6 +77,7 @@ class GraphRunner:
         self.seen: set[tuple] = set()
         self.pool = None
         self.graph_memory_bytes = 0  # device memory reserved while capturing (reported, not a budget)
+        self.capture_seconds = 0.0  # host time spent capturing, all graphs
         # Callers keep up to two batches in flight and may launch a third before reading the
         # first: four pinned input buffers mean refilling one never waits on a running batch.
         self.staging = InputStaging(device, ring=4)
@@ -109,6 +121,7 @@ class GraphRunner:
 
     def _capture(self, key: tuple[int, int, int, bool], static: torch.Tensor) -> _Graph:
         """`static`: this batch's packed input, already on the device; it becomes the graph's input buffer."""
+        started = time.perf_counter()
         torch.cuda.empty_cache()  # capture empties the cache anyway; measure from the same point
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -118,7 +131,11 @@ class GraphRunner:
         self.graph_memory_bytes += torch.cuda.memory_reserved(self.device) - before
         entry = _Graph(graph, static, output)
         self.graphs[key] = entry
+        took = time.perf_counter() - started
+        self.capture_seconds += took
+        log.info(CAPTURE_LOG, key[0], key[1] - 1, key[2], took * 1e3, len(self.graphs), self.graph_memory_bytes / 2**20)
         return entry
 
     def stats(self) -> dict:
-        return {"graphs": len(self.graphs), "graph_memory_bytes": self.graph_memory_bytes, "max_tokens": self.max_tokens}
+        return {"graphs": len(self.graphs), "graph_memory_bytes": self.graph_memory_bytes, "capture_seconds": round(self.capture_seconds, 4),
+                "max_tokens": self.max_tokens}
