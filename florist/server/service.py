@@ -273,7 +273,8 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
                         "so batches get slower; it is meant for GPU engines", engine.info.device)
         # The turning loop holds the GIL between turns; a thread that needs it (grpc's poller, the
         # thread a batch's wait is parked on) gets it only when the holder is asked to drop it,
-        # after the switch interval (5 ms by default), and a call needs several such hand-offs.
+        # after the switch interval (5 ms by default). With that default, busy poll stalled
+        # requests under load for up to 2 s (docs/benchmarks.md).
         switch_interval = sys.getswitchinterval()  # restored at stop
         sys.setswitchinterval(min(switch_interval, BUSY_POLL_SWITCH_S))
         spinner = asyncio.get_running_loop().create_task(_keep_turning(batcher.idle, service.generation), name="florist-busy-poll")
