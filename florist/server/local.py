@@ -389,8 +389,9 @@ class BlockingLocalClient:
 
     `spin_s`: after sending, poll the socket for the reply for up to this long before sleeping
     in the kernel (then until `timeout`). A process that sleeps through a 1-2 ms call pays the
-    wake-up when the reply lands (~0.1 ms measured on a small host); polling keeps its core
-    awake, at the price of that core while it waits. 0 (the default) sleeps at once."""
+    wake-up when the reply lands (polling took 0.01-0.22 ms off a batch-1 round trip on the H200
+    hosts, docs/benchmarks.md); polling keeps its core awake, at the price of that core while it
+    waits. 0 (the default) sleeps at once."""
 
     def __init__(self, path: str, timeout: float | None = None, spin_s: float = 0.0):
         self.path, self.timeout, self.spin_s = path, timeout, spin_s
