@@ -22,6 +22,14 @@ from florist.server.service import BUSY_POLL_SWITCH_S, ServerConfig, ServerThrea
 TOL = dict(rtol=1e-4, atol=2e-6)
 
 
+async def embed_or_error(client, seqs):
+    """The embeddings, or the grpc.aio.AioRpcError the call raised (for bursts gathered at once)."""
+    try:
+        return await client.embed(seqs)
+    except grpc.aio.AioRpcError as e:
+        return e
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -311,14 +319,8 @@ def test_overload_burst_is_refused_in_part_while_health_answers(default_engine):
                         health_latencies.append(time.perf_counter() - t)
                         await asyncio.sleep(0.02)
 
-                async def one(seqs):
-                    try:
-                        return await client.embed(seqs)
-                    except grpc.aio.AioRpcError as e:
-                        return e
-
                 watcher = asyncio.create_task(watch_health())
-                results = await asyncio.gather(*(one(s) for s in burst))
+                results = await asyncio.gather(*(embed_or_error(client, s) for s in burst))
                 done.set()
                 await watcher
                 after = await client.embed(burst[0])  # still serving after the burst

@@ -18,6 +18,7 @@ import pytest
 
 from florist.server.client import InferenceClient
 from florist.server.service import ServerConfig, ServerThread
+from test_server import embed_or_error
 
 POISON = 999  # a batch holding this id fails in the simulated engine
 
@@ -96,13 +97,7 @@ def test_a_failing_batch_fails_its_requests_only():
 
         async def go():
             async with InferenceClient(srv.address, timeout=30) as client:
-                async def one(seqs):
-                    try:
-                        return await client.embed(seqs)
-                    except grpc.aio.AioRpcError as e:
-                        return e
-
-                return await asyncio.gather(one([[1, 2]]), one([[POISON, 3]]), one([[4, 5, 6]]))
+                return await asyncio.gather(*(embed_or_error(client, seqs) for seqs in ([[1, 2]], [[POISON, 3]], [[4, 5, 6]])))
 
         ok1, bad, ok2 = asyncio.run(go())
     assert isinstance(bad, grpc.aio.AioRpcError) and bad.code() == grpc.StatusCode.INTERNAL

@@ -18,7 +18,7 @@ from florist.engine.output import finalize_scores
 from florist.server import local, proto
 from florist.server.client import InferenceClient, _loopback
 from florist.server.service import ServerConfig, ServerThread
-from test_server import TOL, random_request, run, tokens
+from test_server import TOL, embed_or_error, random_request, run, tokens
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,14 +108,7 @@ def test_overload_is_resource_exhausted_over_the_socket(default_engine, socket_d
 
         async def go():
             async with InferenceClient(srv.address, timeout=120) as client:
-
-                async def one(seqs):
-                    try:
-                        return await client.embed(seqs)
-                    except grpc.aio.AioRpcError as e:
-                        return e
-
-                results = await asyncio.gather(*(one(s) for s in burst))
+                results = await asyncio.gather(*(embed_or_error(client, s) for s in burst))
                 return results, client.transport
 
         results, transport = run(go())
