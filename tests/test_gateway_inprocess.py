@@ -148,7 +148,7 @@ def test_busy_poll_spins_only_while_idle_and_polls_for_lone_replies(default_engi
         gw = gateway(srv, busy_poll=True, reply_spin_ms=3.0).start()
         try:
             spinner, pipeline = gw.running.busy_poll, gw.running.pipeline
-            assert spinner is not None and spinner.get_coro().__name__ == "_keep_turning" and not spinner.done()
+            assert spinner is not None and spinner.get_coro().__name__ == "keep_turning" and not spinner.done()
             replica = pipeline.balancer.replicas[0]
             for _ in range(3):
                 status, _, body = call(gw.url, "/v1/embeddings", {"input": texts})

@@ -190,7 +190,7 @@ def test_busy_poll_keeps_the_loop_turning_and_stops_with_the_server(default_engi
     srv = ServerThread(default_engine, ServerConfig(port=0, busy_poll=True)).start()
     try:
         spinner = srv.running.busy_poll
-        assert spinner is not None and spinner.get_coro().__name__ == "_keep_turning"
+        assert spinner is not None and spinner.get_coro().__name__ == "keep_turning"
         assert sys.getswitchinterval() == pytest.approx(min(switch_interval, BUSY_POLL_SWITCH_S))  # other threads get the GIL soon
         time.sleep(0.05)
         assert not spinner.done()

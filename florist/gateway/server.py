@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from florist.busy_poll import keep_turning
 from florist.gateway.app import make_app
 from florist.gateway.balancer import Balancer
 from florist.gateway.config import GatewayConfig
@@ -74,17 +75,9 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
         await RunningGateway(runner, pipeline, 0).stop()
         raise OSError(f"cannot listen on {config.host}:{config.port} ({e.strerror}); pick another --port") from None
     port = runner.addresses[0][1]
-    spinner = asyncio.get_running_loop().create_task(_keep_turning(pipeline.idle), name="florist-gateway-busy-poll") if config.busy_poll else None
+    # GatewayConfig.busy_poll: the loop turns while no request is in flight (florist/busy_poll.py).
+    spinner = asyncio.get_running_loop().create_task(keep_turning(pipeline.idle), name="florist-gateway-busy-poll") if config.busy_poll else None
     return RunningGateway(runner, pipeline, port, spinner)
-
-
-async def _keep_turning(idle: asyncio.Event) -> None:
-    """GatewayConfig.busy_poll: while no request is in flight this task is always ready, so the
-    event loop polls its sockets without sleeping and the next request is read by a core that
-    never went idle. While requests are in flight it waits: the tokenizer threads need the GIL."""
-    while True:
-        await idle.wait()
-        await asyncio.sleep(0)
 
 
 def run_loop(main) -> None:

@@ -27,6 +27,7 @@ import grpc
 import numpy as np
 
 from florist.engine.output import check_output_options, finalize_embeddings, finalize_scores
+from florist.busy_poll import keep_turning
 from florist.loop_thread import LoopThread
 from florist.server import proto, wire
 from florist.server.batcher import Batcher, DeadlineExpired
@@ -277,20 +278,12 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
         # requests under load for up to 2 s (docs/benchmarks.md).
         switch_interval = sys.getswitchinterval()  # restored at stop
         sys.setswitchinterval(min(switch_interval, BUSY_POLL_SWITCH_S))
-        spinner = asyncio.get_running_loop().create_task(_keep_turning(batcher.idle, service.generation), name="florist-busy-poll")
+        # Idle: nothing queued or running (spinning while batches ran slowed the intake of bursts,
+        # docs/benchmarks.md). While Generate streams are open it naps 1 ms a turn: the generation
+        # thread needs the GIL every step.
+        generation = service.generation
+        spinner = asyncio.get_running_loop().create_task(keep_turning(batcher.idle, lambda: 0.001 if generation.active else 0.0), name="florist-busy-poll")
     return RunningServer(server, service, batcher, port, metrics, metrics_http, spinner, local, switch_interval)
-
-
-async def _keep_turning(idle: asyncio.Event, generation: GenerateHandler) -> None:
-    """ServerConfig.busy_poll: while the server is idle (nothing queued or running) this task is
-    always ready, so the event loop polls its sockets without a timeout and never sleeps: the
-    next request reaches a running loop on a busy core. While batches are queued or running it
-    waits, leaving the loop (and the GIL) to the requests: spinning then slowed the intake of
-    bursts (docs/benchmarks.md). While Generate streams are open it naps (1 ms): the generation
-    thread needs the GIL every step."""
-    while True:
-        await idle.wait()
-        await asyncio.sleep(0.001 if generation.active else 0)
 
 
 class ServerThread(LoopThread):
