@@ -8,15 +8,20 @@ everywhere, and some rows are steered so the winner sits at a shard edge, in ran
 from __future__ import annotations
 
 import socket
+import sys
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from florist.distributed import destroy_tensor_parallel, init_tensor_parallel
-from florist.layers.embedding import ParallelLMHead, VocabParallelEmbedding, pad_vocab
+from florist.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from florist.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from florist.layers.logits_processor import LogitsProcessor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from multi_gpu import tie_heavy_hidden, tie_heavy_weight  # noqa: E402  (the NCCL run uses the same heads)
 
 WORLD_SIZE = 2
 HIDDEN = 8
@@ -28,39 +33,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _lm_weight(vocab: int, dtype: torch.dtype, g: torch.Generator, special: bool) -> torch.Tensor:
-    """Finite: feature 0 ties everywhere (0), feature 1 puts the max (3) at both sides of the
-    shard edge S and at the last real id, features 2.. are random in {-1, 0, 1}.
-    Special (hidden all positive): +inf at ids 3 (rank 0) and S+1, NaN (+inf - inf) at S+2 and
-    S+5 (rank 1), so the first NaN must beat rank 0's +inf."""
-    size = pad_vocab(vocab, WORLD_SIZE) // WORLD_SIZE
-    w = torch.randint(-1, 2, (vocab, HIDDEN), generator=g).float()
-    w[:, 0] = 0
-    w[:, 1] = -1
-    w[[size - 1, size, vocab - 1], 1] = 3
-    if special:
-        w[[3, size + 1, size + 2, size + 5], 2] = float("inf")
-        w[[size + 2, size + 5], 3] = float("-inf")
-    return w.to(dtype)
-
-
-def _hidden(rows: int, dtype: torch.dtype, g: torch.Generator, special: bool) -> torch.Tensor:
-    h = torch.randint(1, 3, (rows, HIDDEN), generator=g).float()
-    if not special:  # special rows keep every feature positive (0 * inf would be NaN everywhere)
-        h[::2, 1] = 0  # even rows: no steering; odd rows: the shard-edge tie decides
-        h[::3, 2:] = 0  # every third row: all-zero logits but the steering, or all ties
-    return h.to(dtype)
-
-
 def _check_lm_head(vocab: int, dtype: torch.dtype, rank: int) -> None:
     g = torch.Generator().manual_seed(vocab)  # the same weights and hidden on every rank
     for special, soft_cap, scale in ((False, None, 1.0), (True, None, 1.0), (False, 2.0, 0.5), (True, 2.0, 0.5)):
-        full_weight = _lm_weight(vocab, dtype, g, special)
+        full_weight = tie_heavy_weight(vocab, HIDDEN, WORLD_SIZE, dtype, g, special)
         head = ParallelLMHead(vocab, HIDDEN).to(dtype)
         head.weight_loader(head.weight, full_weight)
         proc = LogitsProcessor(head, vocab, soft_cap=soft_cap, scale=scale)
         for rows in range(1, 9):
-            hidden = _hidden(rows, dtype, g, special)
+            hidden = tie_heavy_hidden(rows, HIDDEN, dtype, g, special)
             expected = F.linear(hidden, full_weight)
             if soft_cap is not None:
                 expected = torch.tanh(expected / soft_cap) * soft_cap
