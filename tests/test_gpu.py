@@ -161,3 +161,27 @@ def test_a_capture_while_another_thread_waits_on_a_batch(qwen3_dir):
         assert waited == [(64, engine.info.dimensions)]
         np.testing.assert_allclose(got, want, atol=1e-3, rtol=1e-3)
     assert engine.runner.graphs.stats()["graphs"] >= 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_an_engine_on_the_other_gpu_runs_from_any_thread(qwen3_dir):
+    """An engine on cuda:1 (what `florist serve` gives its second replica) runs from the loading
+    thread and from another one, whose current device is still cuda:0: eager, captured, replayed."""
+    import threading
+
+    want = florist.Engine.from_pretrained(qwen3_dir, device="cuda:0").embed(TEXTS, truncate=True)
+    engine = florist.Engine.from_pretrained(qwen3_dir, device="cuda:1")
+    torch.cuda.set_device(0)
+    got = {}
+
+    def embed(name):
+        got[name] = [engine.embed(TEXTS, truncate=True) for _ in range(3)]  # eager, capture, replay
+
+    embed("loading thread")
+    worker = threading.Thread(target=embed, args=("other thread",))
+    worker.start()
+    worker.join()
+    assert set(got) == {"loading thread", "other thread"}, "the other thread failed (its error is printed above)"
+    for name, runs in got.items():
+        for run in runs:
+            assert cosine(run, want).min() >= 0.9999, name

@@ -32,6 +32,14 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
+def make_current(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (a no-op on the CPU and when it
+    already is). Kernels launch on the current device, which CUDA keeps per thread, so a model on
+    cuda:1 needs this in every thread that runs it: the loading thread, a server's batch thread."""
+    if device.type == "cuda" and device.index is not None and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -63,6 +71,7 @@ def default_graph_max_tokens(cfg: ModelConfig) -> int:
 class ModelRunner:
     def __init__(self, model_dir: ModelDir, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, graph_max_tokens: int | None = None):
         self.model_dir, self.device, self.dtype = model_dir, device, dtype
+        make_current(device)
         backend = select_backend(attention_backend, device, model_dir.config.head_dim, dtype)
         previous = torch.get_default_dtype()
         try:
@@ -97,6 +106,7 @@ class ModelRunner:
         """Launch one batch; returns at once (on CUDA) with the output still in flight."""
         if host.num_seqs == 0:
             raise ValueError("a batch needs at least one sequence")
+        make_current(self.device)
         if self.graphs is not None and self.graphs.applies(host):
             return LazyTensor.from_device(self.graphs.run(host))
         batch = to_device(host, self.device, pin=self.device.type == "cuda")

@@ -29,6 +29,7 @@ from florist.engine.generation.kv_cache import KVCache, KVCacheSpec
 from florist.engine.staging import InputStaging, PendingTokens, TokenReadback
 from florist.engine.loader import check_complete, iter_tensors, load_weights, safetensors_files
 from florist.engine.model_dir import ModelDir
+from florist.engine.runner import make_current
 from florist.layers.attention import select_backend
 from florist.layers.cached_attention import select_decode_backend
 from florist.models.qwen3_causal_lm import Qwen3ForCausalLM
@@ -54,6 +55,7 @@ class GenerationRunner:
         if cfg.family != "qwen3" or not cfg.causal:
             raise ValueError(f"generation serves Qwen3 causal LMs; {model_dir.name} is a {cfg.model_type} model")
         self.device, self.dtype, self.max_len = device, dtype, max_len
+        make_current(device)
         backend = select_backend(attention_backend, device, cfg.head_dim, dtype)
         decode = select_decode_backend(config.decode_attention, device, cfg.head_dim, dtype)
         previous = torch.get_default_dtype()
@@ -124,8 +126,21 @@ class GenerationRunner:
     def _decode_forward(self, packed: torch.Tensor, rows: int, max_context_len: int) -> torch.Tensor:
         return self.model(decode_batch(packed, rows, self.max_len, max_context_len))
 
+    def release_graphs(self) -> None:
+        """Drop the captured decode graphs (they hold NCCL work under tensor parallelism: they
+        must be gone, on every rank, before the group is torn down)."""
+        if self.graphs is not None:
+            self.graphs = None
+            self._last_decode = None
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            import gc
+
+            gc.collect()
+
     def execute(self, kind: int, packed: np.ndarray | None, num_tokens: int, num_seqs: int) -> torch.Tensor:
         """One step on this rank (rank 0 and the tensor-parallel workers make the same calls)."""
+        make_current(self.device)
         if kind == ADVANCE:
             return self.decode_next(num_seqs)
         if kind == DECODE:
