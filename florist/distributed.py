@@ -43,10 +43,18 @@ def init_tensor_parallel(rank: int, world_size: int, *, init_method: str, backen
     return _GROUP
 
 
-def destroy_tensor_parallel() -> None:
+def destroy_tensor_parallel(*, abort: bool = False) -> None:
+    """Leave the group. NOTE: under NCCL the teardown is collective: every rank must call this at
+    about the same time, or the first one waits for the others. `abort`: a peer is gone, so tear
+    down without waiting for it (where torch offers that)."""
     global _GROUP
     if dist.is_initialized():
-        dist.destroy_process_group()
+        from torch.distributed import distributed_c10d
+
+        if abort and hasattr(distributed_c10d, "_abort_process_group"):
+            distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     _GROUP = TensorParallelGroup()
 
 

@@ -202,4 +202,5 @@ class Generator:
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at TP = 1)."""
         if self.tp is not None:
+            self.runner.release_graphs()  # before the group goes: they hold its collectives
             self.tp.close()

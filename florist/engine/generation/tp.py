@@ -7,7 +7,7 @@
     GenerationRunner (loads its weight shards)             GenerationRunner
     ready(ok)  ◀──────────── all ranks agree ────────────▶ ready(ok)
     each step: send(kind, packed, T, B) ──broadcast──────▶ recv() -> runner.execute(...)
-    close(): send(STOP) ─────────────────────────────────▶ exits
+    close(): send(STOP), leave the group ────────────────▶ leave the group (at once: collective under NCCL)
 
 The step inputs are the packed int32 buffers of generation/batch.py (token ids, positions, slots),
 so every rank runs the same step; the model's collectives then keep the ranks' activations equal.
@@ -101,6 +101,7 @@ def worker_main(rank: int, world_size: int, port: int, runner_args: dict) -> Non
         while True:
             kind, packed, num_tokens, num_seqs = channel.recv()
             if kind == STOP:
+                runner.release_graphs()  # before the group goes: they hold its collectives
                 return
             runner.execute(kind, packed, num_tokens, num_seqs)
     finally:
@@ -145,10 +146,13 @@ class TensorParallelWorkers:
         if self.closed:
             return
         self.closed = True
-        if send_stop and all(p.is_alive() for p in self.procs):
+        alive = all(p.is_alive() for p in self.procs)
+        if send_stop and alive:
             self.channel.send(STOP, None)
+        # The workers leave the group as soon as they stop, and under NCCL leaving is collective:
+        # rank 0 leaves now, with them, and joins them after (the other way round both wait forever).
+        destroy_tensor_parallel(abort=not alive)
         for p in self.procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
-        destroy_tensor_parallel()
