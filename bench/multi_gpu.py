@@ -54,6 +54,7 @@ from florist.distributed import all_gather_dim0, destroy_tensor_parallel, init_t
 from florist.kernels import vocab_parallel_argmax as vpa  # noqa: E402
 from florist.layers.embedding import ParallelLMHead, pad_vocab  # noqa: E402
 from florist.layers.logits_processor import LogitsProcessor  # noqa: E402
+import vocab_parallel_argmax as vpa_bench  # noqa: E402  (bench/vocab_parallel_argmax.py: graph capture and timing)
 
 TIE_HIDDEN = 16  # features of the tie-heavy LM head: its logits are integers within +-2 * (3 + 15), exact in bf16
 ARGMAX_ROWS = (1, 2, 3, 4, 7, 8, 16, 31, 32, 33, 63, 64)
@@ -102,35 +103,14 @@ def lm_head_for(vocab: int, hidden: int, weight: torch.Tensor, device: torch.dev
 
 
 # -- part 1: the argmax over the real collective ------------------------------------------------------
-def capture(fn, calls: int) -> torch.cuda.CUDAGraph:
-    """`calls` calls of fn in one CUDA graph (warmed up first on a side stream, as capture wants)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
-
-
-def us_per_call(graph: torch.cuda.CUDAGraph, calls: int, trials: int = 7, replays: int = 20) -> float:
-    graph.replay()
-    times = []
-    for _ in range(trials):
-        torch.distributed.barrier()  # every rank starts the trial together: the collectives pace it
+def us_per_call(fn, calls: int) -> float:
+    """fn captured `calls` times in one CUDA graph, timed by replays; every rank starts each trial
+    together (a barrier, then a synchronize), since the collectives pace them."""
+    def together():
+        torch.distributed.barrier()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
-    return statistics.median(times)
+
+    return vpa_bench.replay_us(vpa_bench.capture_calls(fn, calls), calls, before_trial=together)
 
 
 def check_argmax(rank: int, tp: int, vocabs, rows_list, replays: int, device: torch.device) -> list[dict]:
@@ -182,10 +162,20 @@ def check_paths(fused, chain, want: torch.Tensor, full: torch.Tensor, where: str
     assert torch.equal(full.gather(1, got[:, None]), full.max(-1, keepdim=True).values), f"{where}: the torch chain misses the maximum"
 
 
-def time_argmax(rank: int, tp: int, calls: int, device: torch.device) -> list[dict]:
-    """us per greedy selection on this rank's shard, inside CUDA graphs, the collective real."""
+def torch_chain(logits: torch.Tensor, start_id: int, tp: int) -> torch.Tensor:
+    """Greedy ids the way other engines pick them: max over the shard, all-gather (value, id), argmax over ranks."""
+    value, index = logits.max(dim=-1)
+    pair = torch.stack([value.float(), (index + start_id).float()], dim=-1)
+    by_row = all_gather_dim0(pair).view(tp, logits.shape[0], 2).permute(1, 0, 2)
+    best = by_row[..., 0].argmax(dim=-1, keepdim=True)
+    return by_row[..., 1].gather(-1, best).squeeze(-1).long()
+
+
+def time_argmax(rank: int, tp: int, calls: int, device: torch.device, vocab: int = 131072, head: tuple[int, int] = (151936, 1024)) -> list[dict]:
+    """us per greedy selection on this rank's shard, inside CUDA graphs, the collective real: the
+    three paths are checked first. On the CPU (--smoke) they are only checked."""
+    timed = device.type == "cuda"
     out = []
-    vocab = 131072
     cols = vocab // tp
     start_id = rank * cols
     for rows in TIMED_ROWS:
@@ -196,43 +186,28 @@ def time_argmax(rank: int, tp: int, calls: int, device: torch.device) -> list[di
             cand = vpa.local_argmax_candidates(logits, start_id, cols)
             return vpa.pick_from_candidates(all_gather_dim0(cand), tp)
 
-        def chain():
-            value, index = logits.max(dim=-1)
-            pair = torch.stack([value.float(), (index + start_id).float()], dim=-1)
-            by_row = all_gather_dim0(pair).view(tp, rows, 2).permute(1, 0, 2)
-            best = by_row[..., 0].argmax(dim=-1, keepdim=True)
-            return by_row[..., 1].gather(-1, best).squeeze(-1).long()
-
-        def gather_logits():
-            full = all_gather_dim0(logits).view(tp, rows, cols).permute(1, 0, 2).reshape(rows, tp * cols)
-            return full.argmax(-1)
-
-        check_paths(fused, chain, gather_logits(), all_gather_dim0(logits).view(tp, rows, cols).permute(1, 0, 2).reshape(rows, -1), f"TP {tp}, rows {rows}")
-        row = {"tp": tp, "rows": rows, "what": "argmax of a 131072-vocab shard"}
+        chain = lambda: torch_chain(logits, start_id, tp)  # noqa: E731
+        gathered = lambda: all_gather_dim0(logits).view(tp, rows, cols).permute(1, 0, 2).reshape(rows, tp * cols)  # noqa: E731
+        gather_logits = lambda: gathered().argmax(-1)  # noqa: E731
+        check_paths(fused, chain, gather_logits(), gathered(), f"TP {tp}, rows {rows}")
+        row = {"tp": tp, "rows": rows, "what": f"argmax of a {vocab}-vocab shard"}
         for name, fn in (("fused", fused), ("torch chain", chain), ("gather logits", gather_logits)):
-            row[name] = us_per_call(capture(fn, calls), calls)
+            row[name] = us_per_call(fn, calls) if timed else None
         out.append(row)
     # The same three with the LM head in front: Qwen3-0.6B's (hidden 1024, vocab 151936).
-    vocab, hidden = 151936, 1024
+    vocab, hidden = head
     g = torch.Generator().manual_seed(7)
     proc = lm_head_for(vocab, hidden, (torch.randn(vocab, hidden, generator=g) * 0.02).to(torch.bfloat16), device, torch.bfloat16)
     for rows in TIMED_ROWS:
         h = (torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows))).to(torch.bfloat16).to(device)
 
-        def head_chain():
-            logits = proc.local_logits(h)
-            value, index = logits[:, : proc.num_valid].max(dim=-1)
-            pair = torch.stack([value.float(), (index + proc.lm_head.vocab_start).float()], dim=-1)
-            by_row = all_gather_dim0(pair).view(tp, rows, 2).permute(1, 0, 2)
-            best = by_row[..., 0].argmax(dim=-1, keepdim=True)
-            return by_row[..., 1].gather(-1, best).squeeze(-1).long()
-
+        head_chain = lambda: torch_chain(proc.local_logits(h)[:, : proc.num_valid], proc.lm_head.vocab_start, tp)  # noqa: E731
         fns = (("fused", lambda: proc.get_top_tokens(h)), ("torch chain", head_chain), ("gather logits", lambda: proc.compute_logits(h).argmax(-1)))
         full = proc.compute_logits(h)
         check_paths(fns[0][1], head_chain, full.argmax(-1), full, f"TP {tp}, rows {rows}, LM head")
-        row = {"tp": tp, "rows": rows, "what": "LM head 151936 x 1024 + argmax"}
+        row = {"tp": tp, "rows": rows, "what": f"LM head {vocab} x {hidden} + argmax"}
         for name, fn in fns:
-            row[name] = us_per_call(capture(fn, calls), calls)
+            row[name] = us_per_call(fn, calls) if timed else None
         out.append(row)
     return out
 
@@ -246,7 +221,7 @@ def argmax_rank(rank: int, tp: int, port: int, args: dict, result_path: str) -> 
         t = time.perf_counter()
         checks = check_argmax(rank, tp, args["vocabs"], args["rows"], args["replays"] if cuda else 0, device)
         check_s = time.perf_counter() - t
-        timings = time_argmax(rank, tp, args["calls"], device) if cuda else []
+        timings = time_argmax(rank, tp, args["calls"], device) if cuda else time_argmax(rank, tp, 0, device, 4096, (5000, 64))
         if rank == 0:
             Path(result_path).write_text(json.dumps({"checks": checks, "check_s": check_s, "timings": timings}))
     finally:
@@ -267,7 +242,7 @@ def run_argmax(tps: list[int], args) -> dict:
         print(f"argmax TP {tp}: {sum(x['eager_checks'] for x in c)} eager checks and {sum(x['graph_replays'] for x in c)} graph replays "
               f"over vocabularies {sorted({x['vocab'] for x in c})}, ties at the shard edges, +inf and NaN: all equal to the argmax of the "
               f"gathered logits and of the unsharded product ({time.perf_counter() - t:.1f} s)", flush=True)
-        if r["timings"]:
+        if r["timings"] and r["timings"][0]["fused"] is not None:
             print(f"\n  {'TP':>2} {'rows':>4} {'what':32s} {'fused us':>9} {'torch chain':>12} {'gather logits':>14} {'fused/chain':>12} {'fused/gather':>13}")
             for row in r["timings"]:
                 print(f"  {row['tp']:2d} {row['rows']:4d} {row['what']:32s} {row['fused']:9.2f} {row['torch chain']:12.2f} {row['gather logits']:14.2f} "

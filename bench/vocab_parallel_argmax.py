@@ -62,26 +62,30 @@ def check_agree(fn_a, fn_b, logits: torch.Tensor, vocab_start: int) -> None:
         raise SystemExit(f"paths disagree: torch chain {b.tolist()}, fused {a.tolist()}, torch.argmax {expected.tolist()}")
 
 
-def time_per_call_us(fn, calls: int, device: str, trials: int = 7, replays: int = 20) -> float:
-    if device != "cuda":  # CPU: eager, wall clock
-        fn()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - start) / calls * 1e6
+def capture_calls(fn, calls: int) -> torch.cuda.CUDAGraph:
+    """`calls` calls of fn in one CUDA graph, warmed up first on a side stream (kernels compiled,
+    allocator warm) as capture wants."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):  # compiles kernels, warms the allocator outside the capture
+        for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, calls: int, trials: int = 7, replays: int = 20, before_trial=None) -> float:
+    """Median us per captured call over `trials` timings of `replays` replays (CUDA events);
+    `before_trial` runs before each (bench/multi_gpu.py: a barrier, so ranks start together)."""
     graph.replay()
     times = []
     for _ in range(trials):
+        if before_trial is not None:
+            before_trial()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
@@ -90,6 +94,16 @@ def time_per_call_us(fn, calls: int, device: str, trials: int = 7, replays: int 
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
     return statistics.median(times)
+
+
+def time_per_call_us(fn, calls: int, device: str, trials: int = 7, replays: int = 20) -> float:
+    if device != "cuda":  # CPU: eager, wall clock
+        fn()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls * 1e6
+    return replay_us(capture_calls(fn, calls), calls, trials, replays)
 
 
 def ops_per_call(fn, device: str, calls: int = 4) -> float:

@@ -26,6 +26,8 @@ def test_smoke_runs_every_part(tmp_path):
     checks = result["argmax"]["2"]["checks"]
     assert {c["vocab"] for c in checks} == {4096, 1001} and {c["special"] for c in checks} == {False, True}
     assert all(c["eager_checks"] == c["row_counts"] > 0 for c in checks), checks
+    paths = result["argmax"]["2"]["timings"]  # on the CPU the timed paths are checked against each other, not timed
+    assert len(paths) == 14 and {p["what"] for p in paths} == {"argmax of a 4096-vocab shard", "LM head 5000 x 64 + argmax"}
     gen = result["generate"]
     assert set(gen["runs"]) == {"1", "2"}
     assert gen["runs"]["2"]["tokens"] == gen["runs"]["1"]["tokens"], "fp32 on gloo: TP 2 must pick TP 1's tokens"
