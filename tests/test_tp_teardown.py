@@ -6,6 +6,8 @@ decode graphs were alive hung them too."""
 
 from __future__ import annotations
 
+import pytest
+
 import florist.engine.generation.tp as tp
 from florist.engine.generation.generator import Generator
 
@@ -88,5 +90,18 @@ def test_graphs_go_before_the_group_on_rank0_and_on_the_workers(monkeypatch):
 
     monkeypatch.setattr(model_dir_mod, "read_model_dir", lambda *a, **k: None)
     monkeypatch.setattr(runner_mod, "GenerationRunner", lambda *a, **k: Runner())
+    monkeypatch.setattr(tp, "destroy_tensor_parallel", lambda abort=False: log.append(f"leave abort={abort}"))
     tp.worker_main(1, 2, 0, {"device_type": "cpu", "model_path": "unused"})
-    assert log == ["release graphs", "leave"]
+    assert log == ["release graphs", "leave abort=False"]
+
+    # Rank 0 dies: the next broadcast breaks, and the worker leaves without waiting for anyone.
+    log.clear()
+
+    class Broken(Channel):
+        def recv(self):
+            raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(tp, "StepChannel", Broken)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        tp.worker_main(1, 2, 0, {"device_type": "cpu", "model_path": "unused"})
+    assert log == ["leave abort=True"]

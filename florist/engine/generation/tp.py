@@ -89,6 +89,7 @@ def worker_main(rank: int, world_size: int, port: int, runner_args: dict) -> Non
         torch.set_num_threads(1)  # N ranks share the host's cores
     init_tensor_parallel(rank, world_size, init_method=f"tcp://127.0.0.1:{port}", backend=backend_for(device_type))
     channel = StepChannel()
+    together = True  # leaves the group when rank 0 does (collective under NCCL)
     try:
         runner = None
         try:
@@ -99,13 +100,20 @@ def worker_main(rank: int, world_size: int, port: int, runner_args: dict) -> Non
         if not ok:
             return
         while True:
-            kind, packed, num_tokens, num_seqs = channel.recv()
+            try:
+                kind, packed, num_tokens, num_seqs = channel.recv()
+                if kind != STOP:
+                    runner.execute(kind, packed, num_tokens, num_seqs)
+            except BaseException:
+                # Rank 0 is gone (the broadcast broke) or this rank failed mid-step: nobody will
+                # leave the group with this rank, so it must not wait for them.
+                together = False
+                raise
             if kind == STOP:
                 runner.release_graphs()  # before the group goes: they hold its collectives
                 return
-            runner.execute(kind, packed, num_tokens, num_seqs)
     finally:
-        destroy_tensor_parallel()
+        destroy_tensor_parallel(abort=not together)
 
 
 class TensorParallelWorkers:
