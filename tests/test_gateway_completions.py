@@ -185,6 +185,22 @@ def _gateway(srv) -> GatewayThread:
     return GatewayThread(GatewayConfig(engines=(srv.address,), port=0, health_interval_s=0.2))
 
 
+def test_a_tensor_parallel_replica_serves_what_one_rank_does(lm_dir, lm_engine):
+    """`florist serve --tensor-parallel-size 2` on the CPU: the replica's two ranks meet over gloo,
+    completions equal the one-rank engine's, and stopping the server stops both ranks."""
+    proc, url = serve("--model", str(lm_dir), "--device", "cpu", "--tensor-parallel-size", "2")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        for prompt, budget in [(TEXTS[0], 12), (TEXTS[2], 20)]:
+            want = lm_engine.generate([prompt], max_tokens=budget)[0]
+            got = client.completions.create(model="lm", prompt=prompt, max_tokens=budget, extra_body={"return_token_ids": True}).choices[0]
+            assert (got.token_ids, got.text) == (want.token_ids, want.text)
+    finally:
+        code = proc.stop()
+    assert code == 0, proc.output()[-3000:]
+    assert "Traceback" not in proc.output(), proc.output()[-3000:]
+
+
 def test_a_replica_gone_mid_stream_ends_with_an_error_event(lm_dir):
     """After the first event the engine server stops: the client gets an error, not silence."""
     srv = ServerThread(_slow_engine(lm_dir), ServerConfig(port=0)).start()

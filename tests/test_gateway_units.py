@@ -398,3 +398,25 @@ def test_serve_shares_the_cpus_between_the_workers_tokenizer_threads(monkeypatch
         assert seen["workers"] == workers and seen["config"].tokenization_workers == threads and seen["config"].reuse_port == (workers > 1)
     assert main(["serve", "--model", "/m", "--workers", "8", "--tokenization-workers", "3"]) == 0 and seen["config"].tokenization_workers == 3
     assert main(["serve", "--model", "/m", "--tokenization-workers", "0"]) == 2
+
+
+def test_replica_placement_with_tensor_parallelism(monkeypatch):
+    """One replica per GPU by default; at --tensor-parallel-size N each takes N GPUs, which become
+    its whole view of the GPUs (through this process's own CUDA_VISIBLE_DEVICES)."""
+    from florist.gateway import processes
+
+    monkeypatch.setattr(processes, "_cuda_count", lambda: 4)
+    plan = processes.plan_devices
+    assert plan(None, None) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert plan(None, None, 2) == ["cuda:0,1", "cuda:2,3"]
+    assert plan(None, 1, 4) == ["cuda:0,1,2,3"]
+    assert plan("cuda:3,cuda:1", None, 2) == ["cuda:3,1"]
+    assert plan("cpu", 2, 2) == ["cpu", "cpu"]  # CPU ranks share the cores (gloo)
+    for device, replicas, tp, message in ((None, 3, 2, "need 6 GPUs; 4 given"), (None, None, 8, "need 8 GPUs"),
+                                          ("cuda:0,cpu", None, 2, "not a mix"), (None, None, 0, "at least 1")):
+        with pytest.raises(ValueError, match=message):
+            plan(device, replicas, tp)
+    assert processes.replica_device("cuda:2,3", {"PATH": "/bin"}) == ("cuda", {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,3"})
+    assert processes.replica_device("cuda:0,1", {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})[1]["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert processes.replica_device("cuda:1", {}) == ("cuda:1", {})
+    assert processes.replica_device("cpu", {}) == ("cpu", {})

@@ -147,3 +147,17 @@ def test_generate_on_an_embedding_model_is_refused(default_engine):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             asyncio.run(main())
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Generate needs a causal LM" in e.value.details()
+
+
+def test_engine_server_tensor_parallel_size_is_checked_before_loading(tmp_path):
+    """`florist engine-server --tensor-parallel-size`: an embedding model, or one GPU named for a
+    group of ranks, is a clear error (exit 2), not a traceback."""
+    import subprocess
+    import sys
+
+    cases = [(["--device", "cpu"], "tensor parallelism serves causal LMs"),
+             (["--device", "cuda:1", "--model", str(tmp_path)], "pick them with CUDA_VISIBLE_DEVICES")]
+    for extra, message in cases:
+        proc = subprocess.run([sys.executable, "-m", "florist.cli", "engine-server", "--tensor-parallel-size", "2", *extra],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, (proc.returncode, proc.stderr[-2000:])

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or a list cuda:0,cuda:2 (default: every GPU, else the CPU)")
     p.add_argument("--dtype", default=None, help="engine dtype: bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--task", default=None, choices=["embed", "score"], help="override the task read from the model directory (e.g. a Qwen3 reranker whose directory name does not say so)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs each engine replica of a causal LM is sharded over (default 1); replicas default to the GPUs over this")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one engine batch (engine default)")
     p.add_argument("--max-pending-tokens", type=int, default=None, help="tokens an engine queues before answering 429 (engine default)")
     p.add_argument("--busy-poll", action="store_true",
@@ -62,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name, value in (("--workers", args.workers), ("--replicas", args.replicas or 1), ("--max-inputs", args.max_inputs), ("--payload-limit", args.payload_limit),
+                        ("--tensor-parallel-size", args.tensor_parallel_size),
                         ("--tokenization-workers", 1 if args.tokenization_workers is None else args.tokenization_workers)):
         if value < 1:
             print(f"florist serve: {name} must be at least 1", file=sys.stderr)
@@ -73,11 +76,13 @@ def run(args: argparse.Namespace) -> int:
         tokenization_workers=args.tokenization_workers or tokenization_threads(args.workers), reuse_port=args.workers > 1,
         local_socket=not args.no_local_socket, busy_poll=args.gateway_busy_poll,
     )
-    passed = (("--model", args.model), ("--dtype", args.dtype), ("--task", args.task), ("--max-batch-tokens", args.max_batch_tokens), ("--max-pending-tokens", args.max_pending_tokens))
+    passed = (("--model", args.model), ("--dtype", args.dtype), ("--task", args.task), ("--max-batch-tokens", args.max_batch_tokens), ("--max-pending-tokens", args.max_pending_tokens),
+              ("--tensor-parallel-size", args.tensor_parallel_size if args.tensor_parallel_size > 1 else None))
     engine_args = [a for flag, value in passed if value is not None for a in (flag, str(value))] + (["--busy-poll"] if args.busy_poll else [])
     engine_args += ["--local-socket", "off"] if args.no_local_socket else []
     try:
-        return serve(config, workers=args.workers, engine_args=engine_args, device=args.device, replicas=args.replicas)
+        return serve(config, workers=args.workers, engine_args=engine_args, device=args.device, replicas=args.replicas,
+                     tensor_parallel=args.tensor_parallel_size)
     except (ConnectionError, OSError, RuntimeError) as e:
         print(f"florist serve: {e}", file=sys.stderr)
         return 1

@@ -4,6 +4,9 @@
                    ├─ engine replica 1   ...                                --device cuda:1
                    └─ gateway worker(s)  the HTTP port; one worker runs inside the serve process
 
+With --tensor-parallel-size N (causal LMs) each replica takes N GPUs: `--device cuda` with
+CUDA_VISIBLE_DEVICES set to its group, so its ranks are cuda:0..N-1 of what it sees.
+
 Engines start in parallel; each prints "listening on HOST:PORT" once serving, which is how its
 OS-chosen port is learnt. An engine that exits unexpectedly is restarted on the same port (with
 back-off), so the gateways' balancers probe it back in. Children get SIGTERM if the serve
@@ -56,10 +59,11 @@ class EngineProcess:
     def start(self) -> None:
         # `florist engine-server` through this module's __main__, which first asks to die with us.
         # (Not a preexec_fn: that forces fork() in a process whose gRPC threads are running.)
-        cmd = [sys.executable, "-m", "florist.gateway.processes", *self.engine_args, "--device", self.device, "--host", "127.0.0.1", "--port", str(self.port)]
+        device, env = replica_device(self.device, self.env)
+        cmd = [sys.executable, "-m", "florist.gateway.processes", *self.engine_args, "--device", device, "--host", "127.0.0.1", "--port", str(self.port)]
         self.ready.clear()
         self.started_at = time.monotonic()
-        env = dict(self.env, FLORIST_PARENT_PID=str(os.getpid()))
+        env = dict(env, FLORIST_PARENT_PID=str(os.getpid()))
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self._read_stdout, args=(self.proc,), name=f"engine-{self.index}-stdout", daemon=True).start()
 
@@ -128,18 +132,45 @@ def _wait(p, timeout_s: float) -> None:
         p.join(timeout_s)
 
 
-def plan_devices(device: str | None, replicas: int | None) -> list[str]:
-    """One device per engine replica: one per GPU by default, one on the CPU without GPUs."""
+def plan_devices(device: str | None, replicas: int | None, tensor_parallel: int = 1) -> list[str]:
+    """Where each engine replica runs: one per GPU by default, one on the CPU without GPUs. With
+    tensor parallelism each replica takes `tensor_parallel` GPUs, written "cuda:0,1" (its ranks)."""
+    if tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1; got {tensor_parallel}")
     if device is None or device == "cuda":
         gpus = _cuda_count()
         if device == "cuda" and gpus == 0:
             raise ValueError("--device cuda, but no CUDA device is visible; use --device cpu")
         if gpus == 0:
             return ["cpu"] * (replicas or 1)
-        return [f"cuda:{i % gpus}" for i in range(replicas or gpus)]
-    devices = [d.strip() for d in device.split(",") if d.strip()]
-    n = replicas or len(devices)
-    return [devices[i % len(devices)] for i in range(n)]
+        devices = [f"cuda:{i}" for i in range(gpus)]
+        if tensor_parallel == 1:
+            return [devices[i % gpus] for i in range(replicas or gpus)]
+    else:
+        devices = [d.strip() for d in device.split(",") if d.strip()]
+    if tensor_parallel == 1 or devices == ["cpu"] * len(devices):
+        n = replicas or len(devices)
+        return [devices[i % len(devices)] for i in range(n)]  # ranks on the CPU share it (gloo)
+    if any(not d.startswith("cuda:") for d in devices):
+        raise ValueError(f"--tensor-parallel-size {tensor_parallel} takes GPUs (cuda:N) or the CPU, not a mix: {','.join(devices)}")
+    n = replicas or len(devices) // tensor_parallel
+    if n < 1 or n * tensor_parallel > len(devices):
+        raise ValueError(f"{replicas or 1} replica(s) at --tensor-parallel-size {tensor_parallel} need {max(n, 1) * tensor_parallel} GPUs; "
+                         f"{len(devices)} given ({','.join(devices)})")
+    return ["cuda:" + ",".join(d.split(":", 1)[1] for d in devices[i * tensor_parallel:(i + 1) * tensor_parallel]) for i in range(n)]
+
+
+def replica_device(placement: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """-> (the engine's --device, its environment) for a placement of plan_devices. A GPU group
+    ("cuda:2,3") is made the replica's whole view of the GPUs (CUDA_VISIBLE_DEVICES), so its
+    tensor-parallel ranks take cuda:0..N-1 of it; indices are read through this process's own
+    CUDA_VISIBLE_DEVICES, if any."""
+    if not placement.startswith("cuda:") or "," not in placement:
+        return placement, env
+    ours = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    picked = [int(i) for i in placement.split(":", 1)[1].split(",")]
+    visible = [ours[i] for i in picked] if ours else [str(i) for i in picked]
+    return "cuda", dict(env, CUDA_VISIBLE_DEVICES=",".join(visible))
 
 
 def _cuda_count() -> int:

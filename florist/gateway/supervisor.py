@@ -30,12 +30,12 @@ log = logging.getLogger("florist.serve")
 ENGINE_START_TIMEOUT_S = 1800.0  # large models load (and warm up) for minutes
 
 
-def serve(config: GatewayConfig, *, workers: int, engine_args: list[str], device: str | None, replicas: int | None) -> int:
+def serve(config: GatewayConfig, *, workers: int, engine_args: list[str], device: str | None, replicas: int | None, tensor_parallel: int = 1) -> int:
     engines: list[EngineProcess] = []
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # until the gateway installs its own
     try:
         if not config.engines:
-            devices = plan_devices(device, replicas)
+            devices = plan_devices(device, replicas, tensor_parallel)
             env = engine_env(devices)
             root = str(Path(__file__).resolve().parents[2])
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))

@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--task", default=None, choices=["embed", "score"], help="override the task read from the model directory")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes a causal LM is sharded over (default 1); on GPUs its ranks take cuda:0..N-1 of the visible ones "
+                        "(choose them with CUDA_VISIBLE_DEVICES)")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="token budget of one batch (default: the largest batch the engine replays from a CUDA graph, else 16384)")
     p.add_argument("--max-batch-seqs", type=int, default=d.max_batch_seqs, help=f"sequences in one batch at most (default {d.max_batch_seqs})")
     p.add_argument("--max-pending-tokens", type=int, default=d.max_pending_tokens, help=f"queued tokens beyond which requests get RESOURCE_EXHAUSTED (default {d.max_pending_tokens})")
@@ -56,7 +59,13 @@ def run(args: argparse.Namespace) -> int:
     from florist.server.config import ServerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task)
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1; got {tp}")
+    if tp > 1 and args.device and ":" in args.device:
+        raise ValueError(f"--tensor-parallel-size {tp} places its ranks on cuda:0..{tp - 1} of the visible GPUs; pick them with "
+                         f"CUDA_VISIBLE_DEVICES and --device cuda, not --device {args.device}")
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task, tensor_parallel_size=tp if tp > 1 else None)
     if engine.info.task in ("embed", "score"):
         # Warm up (device context, kernels, allocator) so the first request does not pay for it.
         engine.step(HostBatch.from_sequences([[0] * 8], [4] if engine.info.task == "score" else None)).numpy()
@@ -104,6 +113,7 @@ async def _serve(engine, config) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await running.stop(grace=5.0)
+    engine.close()  # tensor-parallel workers leave with this rank
 
 
 def main(argv: list[str] | None = None) -> int:
