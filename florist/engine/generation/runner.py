@@ -17,6 +17,7 @@ the same last decode buffer and next ids, so the ranks advance identically and s
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,13 +131,11 @@ class GenerationRunner:
         """Drop the captured decode graphs (they hold NCCL work under tensor parallelism: they
         must be gone, on every rank, before the group is torn down)."""
         if self.graphs is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # NOTE: no graph may be freed while a replay of it runs
             self.graphs = None
             self._last_decode = None
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            import gc
-
-            gc.collect()
+            gc.collect()  # the graphs are freed now, not at some later collection
 
     def execute(self, kind: int, packed: np.ndarray | None, num_tokens: int, num_seqs: int) -> torch.Tensor:
         """One step on this rank (rank 0 and the tensor-parallel workers make the same calls)."""
