@@ -372,8 +372,8 @@ def test_serve_passes_engine_options_to_its_engine_servers(monkeypatch):
 
     seen = {}
 
-    def fake_serve(config, *, workers, engine_args, device, replicas):
-        seen.update(engine_args=engine_args, workers=workers, config=config)
+    def fake_serve(config, *, workers, engine_args, device, replicas, tensor_parallel):
+        seen.update(engine_args=engine_args, workers=workers, config=config, tensor_parallel=tensor_parallel)
         return 0
 
     monkeypatch.setattr(supervisor, "serve", fake_serve)
@@ -381,7 +381,10 @@ def test_serve_passes_engine_options_to_its_engine_servers(monkeypatch):
     args = seen["engine_args"]
     assert args[args.index("--task") + 1] == "score"
     assert args[args.index("--max-pending-tokens") + 1] == "123" and args[args.index("--max-batch-tokens") + 1] == "456"
+    assert "--tensor-parallel-size" not in args and seen["tensor_parallel"] == 1
     assert main(["serve", "--model", "/m"]) == 0 and "--task" not in seen["engine_args"]
+    assert main(["serve", "--model", "/lm", "--tensor-parallel-size", "2"]) == 0  # placement and the engines' own flag
+    assert seen["tensor_parallel"] == 2 and seen["engine_args"][seen["engine_args"].index("--tensor-parallel-size") + 1] == "2"
 
 
 def test_serve_shares_the_cpus_between_the_workers_tokenizer_threads(monkeypatch):
