@@ -1,6 +1,6 @@
-"""The Generate RPC over a real socket (127.0.0.1): streams equal the embedded API's tokens,
-concurrent streams share the engine's steps, a cancelled stream frees its slot, bad input is
-refused with INVALID_ARGUMENT."""
+"""The Generate RPC over real sockets, gRPC (127.0.0.1) and the engine's local socket alike:
+streams equal the embedded API's tokens, concurrent streams share the engine's steps, a cancelled
+stream frees its slot, bad input is refused with INVALID_ARGUMENT, a deadline ends a stream."""
 
 from __future__ import annotations
 
@@ -27,8 +27,22 @@ def lm_engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lm_server(lm_engine):
-    with ServerThread(lm_engine, ServerConfig(port=0)) as srv:
+    with ServerThread(lm_engine, ServerConfig(port=0, local_socket="auto")) as srv:
         yield srv
+
+
+TRANSPORTS = pytest.mark.parametrize("transport", ["grpc", "local"])
+
+
+def client_for(server, transport: str) -> InferenceClient:
+    return InferenceClient(server.address, local=transport == "local")
+
+
+async def _raw_stream(client: InferenceClient, request):
+    """Generate without the client's conversion, over whichever transport the client uses."""
+    local = await client._local_channel()
+    call = local.stream("Generate", request) if local is not None else client._rpc["Generate"](request)
+    return [c async for c in call]
 
 
 async def _collect(client, prompt, **kw):
@@ -36,14 +50,17 @@ async def _collect(client, prompt, **kw):
     return [t for c in chunks for t in c.token_ids], chunks
 
 
-def test_concurrent_streams_equal_the_embedded_api(lm_server, lm_engine):
+@TRANSPORTS
+def test_concurrent_streams_equal_the_embedded_api(lm_server, lm_engine, transport):
     prompts = prompts_for(lm_engine.model_dir.path, (1, 4, 9, 16, 25, 36), seed=5)
     budgets = [3, 20, 7, 16, 1, 12]
     expected = [r.token_ids for r in (lm_engine.generate([p], max_tokens=n)[0] for p, n in zip(prompts, budgets))]
 
     async def main():
-        async with InferenceClient(lm_server.address) as client:
-            return await asyncio.gather(*(_collect(client, p, max_tokens=n) for p, n in zip(prompts, budgets)))
+        async with client_for(lm_server, transport) as client:
+            results = await asyncio.gather(*(_collect(client, p, max_tokens=n) for p, n in zip(prompts, budgets)))
+            assert client.transport == transport
+            return results
 
     results = asyncio.run(main())  # 6 streams, 4 slots: some wait for a slot
     for (tokens, chunks), want, p in zip(results, expected, prompts):
@@ -79,29 +96,62 @@ def test_open_streams_are_counted_for_busy_poll(lm_engine):
         assert generation.active == 0
 
 
-def test_stop_ids_end_the_stream(lm_server, lm_engine):
+@TRANSPORTS
+def test_stop_ids_end_the_stream(lm_server, lm_engine, transport):
     prompt = prompts_for(lm_engine.model_dir.path, (6,), seed=6)[0]
     full = lm_engine.generate([prompt], max_tokens=24)[0].token_ids
     k = next(i for i in range(2, 24) if full[i] not in full[:i])
 
     async def main():
-        async with InferenceClient(lm_server.address) as client:
+        async with client_for(lm_server, transport) as client:
             return await _collect(client, prompt, max_tokens=24, stop_token_ids=[full[k]])
 
     tokens, chunks = asyncio.run(main())
     assert tokens == full[: k + 1] and chunks[-1].finish_reason == "stop"
 
 
-def test_a_cancelled_stream_frees_its_slot(lm_server, lm_engine):
+@pytest.mark.parametrize("transport, how", [("grpc", "break"), ("local", "break"), ("local", "close")])
+def test_a_cancelled_stream_frees_its_slot(lm_server, lm_engine, transport, how):
+    """Leaving the loop cancels the call; so does closing the local client under the stream (its
+    connection closes: the server cancels the connection's calls)."""
     gen = lm_engine.runner
     prompt = prompts_for(lm_engine.model_dir.path, (5,), seed=7)[0]
 
     async def main():
-        async with InferenceClient(lm_server.address) as client:
-            async for chunk in client.generate(prompt, max_tokens=100):
-                break  # leaving the loop cancels the call
+        client = client_for(lm_server, transport)
+        try:
+            async for chunk in client.generate(prompt, max_tokens=100, ignore_eos=True):
+                if how == "break":
+                    break
+                await client.close()  # the stream's next frame is the transport's error
+        except grpc.aio.AioRpcError as e:
+            assert how == "close" and e.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), e
+        else:
+            assert how == "break"
+        finally:
+            await client.close()
 
     asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while gen.has_work and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not gen.has_work and gen.scheduler.free_slots == gen.scheduler.num_slots
+
+
+@TRANSPORTS
+def test_a_deadline_ends_a_stream(lm_server, lm_engine, transport):
+    gen = lm_engine.runner
+    prompt = prompts_for(lm_engine.model_dir.path, (5,), seed=9)[0]
+
+    async def main():
+        async with client_for(lm_server, transport) as client:
+            await client.info()
+            async for _ in client.generate(prompt, max_tokens=120, ignore_eos=True, timeout=0.05):
+                await asyncio.sleep(0.01)
+
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(main())
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     deadline = time.monotonic() + 10
     while gen.has_work and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -115,11 +165,11 @@ def test_a_cancelled_stream_frees_its_slot(lm_server, lm_engine):
     (dict(prompt_ids=b"\x01\x00\x00\x00", max_tokens=0), "max_tokens must be"),
     (dict(prompt_ids=b"\x01\x00\x00\x00" * 100, max_tokens=100), "max_model_len"),
 ])
-def test_bad_requests_are_invalid_argument(lm_server, request_kw, message):
+@TRANSPORTS
+def test_bad_requests_are_invalid_argument(lm_server, request_kw, message, transport):
     async def main():
-        async with InferenceClient(lm_server.address) as client:
-            call = client._rpc["Generate"](proto.GenerateRequest(**request_kw))
-            return [c async for c in call]
+        async with client_for(lm_server, transport) as client:
+            return await _raw_stream(client, proto.GenerateRequest(**request_kw))
 
     with pytest.raises(grpc.aio.AioRpcError) as e:
         asyncio.run(main())

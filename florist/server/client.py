@@ -10,7 +10,7 @@
 Errors are `grpc.aio.AioRpcError` with the server's status code and message. Create the client
 inside the event loop that uses it (a grpc.aio channel belongs to one loop).
 
-On the server's host (a loopback address) Embed and Score go through the server's local socket
+On the server's host (a loopback address) Embed, Score and Generate go through the server's local socket
 where it has one (florist/server/local.py: the same messages, a fraction of gRPC's overhead); the
 client learns the socket from Info before its first call, and uses gRPC wherever the socket is
 absent or cannot be opened. `local=False` keeps every call on gRPC. `spin_ms` > 0: a local call
@@ -61,19 +61,25 @@ class InferenceClient:
 
     @property
     def transport(self) -> str:
-        """"local" once Embed / Score go through the server's local socket, else "grpc"."""
+        """"local" once Embed / Score / Generate go through the server's local socket, else "grpc"."""
         return "local" if self._local is not None and not self._local.closed else "grpc"
 
     async def _unary(self, method: str, request, timeout: float | None):
-        if self._want_local:
-            if self._local is not None and self._local.closed:  # the server went away: look again next time
-                self._local, self._finding = None, None
-            if self._finding is None:
-                self._finding = asyncio.ensure_future(self._find_local())
-            await asyncio.shield(self._finding)
-            if self._local is not None:
-                return await self._local.call(method, request, timeout)
+        local = await self._local_channel()
+        if local is not None:
+            return await local.call(method, request, timeout)
         return await self._rpc[method](request, timeout=timeout)
+
+    async def _local_channel(self) -> LocalChannel | None:
+        """The server's local socket once found (looked up once, again after it closed), or None: gRPC."""
+        if not self._want_local:
+            return None
+        if self._local is not None and self._local.closed:  # the server went away: look again next time
+            self._local, self._finding = None, None
+        if self._finding is None:
+            self._finding = asyncio.ensure_future(self._find_local())
+        await asyncio.shield(self._finding)
+        return self._local
 
     async def _find_local(self) -> None:
         try:
@@ -90,7 +96,7 @@ class InferenceClient:
             log.info("engine server %s: its local socket %s cannot be opened here (%s); using gRPC", self.address, path, e)
             return
         self._local = channel
-        log.info("engine server %s: Embed and Score over its local socket %s", self.address, path)
+        log.info("engine server %s: Embed, Score and Generate over its local socket %s", self.address, path)
 
     async def embed(self, seqs, *, dimensions: int | None = None, normalize: bool | None = None, encoding: str = "float", timeout: float | None = None) -> np.ndarray:
         """`seqs`: token-id sequences, or (ids bytes of little-endian int32, seq_lens)."""
@@ -115,13 +121,20 @@ class InferenceClient:
             prompt_ids=np.asarray(prompt_ids, dtype=wire.INT32).tobytes(), max_tokens=max_tokens,
             stop_token_ids=np.asarray(stop_token_ids, dtype=wire.INT32).tobytes(), ignore_eos=ignore_eos,
         )
-        call = self._rpc["Generate"](request, timeout=timeout or self.timeout)
+        local = await self._local_channel()
+        if local is not None:
+            call = local.stream("Generate", request, timeout or self.timeout)
+        else:
+            call = self._rpc["Generate"](request, timeout=timeout or self.timeout)
         try:
             async for chunk in call:
                 yield GeneratedTokens(np.frombuffer(chunk.token_ids, dtype=wire.INT32).tolist(), chunk.finish_reason or None,
                                       chunk.prompt_tokens, chunk.completion_tokens)
         finally:
-            call.cancel()
+            if local is not None:
+                await call.aclose()  # cancels the call unless it ended
+            else:
+                call.cancel()
 
     async def info(self, timeout: float | None = None):
         """The model and server limits (florist.proto InfoResponse)."""

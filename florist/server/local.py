@@ -1,5 +1,5 @@
-"""The local transport: the same unary RPCs (Embed, Score, Health, Info) over a Unix socket, for a
-gateway on the engine's host.
+"""The local transport: the same RPCs (Embed, Score, Health, Info, and Generate's stream) over a
+Unix socket, for a gateway on the engine's host.
 
 A gRPC round trip through Python's grpcio costs 0.4-1 ms on top of the work (a bare Health call
 took 0.44-0.78 ms on the H200 hosts, docs/benchmarks.md), which is most of what the server adds to
@@ -8,16 +8,18 @@ stream socket on the engine server's event loop, and hands them to the same hand
 (`InferenceService`), so answers, checks and status codes are the gRPC path's own:
 
     request   | length u32 | call id u32 | kind u32 | timeout us u32 (0: none) | EmbedRequest ... bytes |
-    response  | length u32 | call id u32 | status u32 (grpc code, 0: OK) | 0 u32 | response bytes, or the error message (UTF-8) |
+    response  | length u32 | call id u32 | status u32 (grpc code, 0: OK) | flags u32 | response bytes, or the error message (UTF-8) |
 
 all little-endian. Calls are multiplexed on one connection (the call id matches a response to
-its request; responses come in completion order). Kind CANCEL (no payload) cancels a call the
+its request; responses come in completion order). A unary call gets one response (flags 0). A
+stream (Generate) gets one response per message with flags MORE, then a last one without it:
+status OK and no bytes when the stream ended, or the error. Kind CANCEL (no payload) cancels a call the
 client gave up on, and a connection that closes cancels all of its calls: queued sequences are
 removed, as for a cancelled gRPC call. A timeout becomes the handler's deadline, as gRPC's does.
 
 The engine server advertises its socket in Info (`local_socket`); `InferenceClient` on the same
-host finds it there and sends Embed / Score through it, keeping gRPC for the rest (Generate,
-and the gateway's health probes). Only processes that may open the socket file (by default its
+host finds it there and sends Embed, Score and Generate through it, keeping gRPC for the rest
+(Info, and the gateway's health probes, which must notice a server whose gRPC side is down). Only processes that may open the socket file (by default its
 owner: a socket needs write permission) use it; any other falls back to gRPC.
 """
 
@@ -45,11 +47,13 @@ from florist.server import proto
 log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<IIII")
-EMBED, SCORE, HEALTH, INFO, CANCEL = 1, 2, 3, 4, 5
+EMBED, SCORE, HEALTH, INFO, CANCEL, GENERATE = 1, 2, 3, 4, 5, 6
+MORE = 1  # response flag: a stream's message, more frames follow for this call
 # kind -> (the service's method, its request class, its response class)
 METHODS = {EMBED: ("Embed", proto.EmbedRequest, proto.EmbedResponse), SCORE: ("Score", proto.ScoreRequest, proto.ScoreResponse),
            HEALTH: ("Health", proto.HealthRequest, proto.HealthResponse), INFO: ("Info", proto.InfoRequest, proto.InfoResponse)}
-KINDS = {name: kind for kind, (name, _, _) in METHODS.items()}
+STREAMS = {GENERATE: ("Generate", proto.GenerateRequest, proto.GenerateChunk)}  # server streaming: the method is an async generator
+KINDS = {name: kind for kind, (name, _, _) in (METHODS | STREAMS).items()}
 STATUS = {code.value[0]: code for code in grpc.StatusCode}
 _OK = grpc.StatusCode.OK.value[0]
 
@@ -203,9 +207,9 @@ class LocalServer:
         self._server = None
 
     async def _call(self, kind: int, payload: bytes, deadline: float | None, call_id: int, connection: "_ServerConnection") -> None:
-        method = METHODS.get(kind)
+        method = METHODS.get(kind) or STREAMS.get(kind)
         if method is None:
-            connection.reply(call_id, grpc.StatusCode.UNIMPLEMENTED, f"unknown call kind {kind}; this server knows {sorted(METHODS)}".encode())
+            connection.reply(call_id, grpc.StatusCode.UNIMPLEMENTED, f"unknown call kind {kind}; this server knows {sorted(METHODS | STREAMS)}".encode())
             return
         name, request_class, _ = method
         try:
@@ -214,16 +218,34 @@ class LocalServer:
             connection.reply(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the {name} request".encode())
             return
         try:
-            response = await getattr(self.service, name)(request, _Context(deadline))
+            if kind in STREAMS:
+                await self._stream(getattr(self.service, name)(request, _Context(deadline)), deadline, call_id, connection)
+                response = None
+            else:
+                response = await getattr(self.service, name)(request, _Context(deadline))
+        except TimeoutError:  # a stream past its deadline (unary handlers read theirs from the context)
+            connection.reply(call_id, grpc.StatusCode.DEADLINE_EXCEEDED, b"Deadline Exceeded")
         except _Aborted as e:
             connection.reply(call_id, e.code, e.message.encode())
         except Exception as e:  # what gRPC reports as UNKNOWN: an error in a handler
             log.exception("%s over the local socket failed", name)
             connection.reply(call_id, grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}".encode())
         else:
-            connection.reply(call_id, grpc.StatusCode.OK, response.SerializeToString())
+            connection.reply(call_id, grpc.StatusCode.OK, b"" if response is None else response.SerializeToString())
         with contextlib.suppress(ConnectionError):
             await connection.drain()  # a client that stops reading holds its calls here, not the server's memory
+
+    @staticmethod
+    async def _stream(messages, deadline: float | None, call_id: int, connection: "_ServerConnection") -> None:
+        """Each message of a server-streaming handler as a MORE frame (the caller sends the last
+        frame). Cancelling the call's task closes the handler's generator, as gRPC does."""
+        async with asyncio.timeout(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            try:
+                async for message in messages:
+                    connection.reply(call_id, grpc.StatusCode.OK, message.SerializeToString(), MORE)
+                    await connection.drain()  # a client that stops reading pauses its stream here
+            finally:
+                await messages.aclose()
 
 
 class _ServerConnection(_Writer, asyncio.Protocol):
@@ -265,9 +287,9 @@ class _ServerConnection(_Writer, asyncio.Protocol):
             call.cancel()
         self.server._connections.discard(self)
 
-    def reply(self, call_id: int, code: grpc.StatusCode, body: bytes) -> None:
+    def reply(self, call_id: int, code: grpc.StatusCode, body: bytes, flags: int = 0) -> None:
         if not self.transport.is_closing():
-            self.transport.write(HEADER.pack(len(body), call_id, code.value[0], 0) + body)
+            self.transport.write(HEADER.pack(len(body), call_id, code.value[0], flags) + body)
 
 
 def _answers(path: str) -> bool:
@@ -301,6 +323,7 @@ class LocalChannel(_Writer, asyncio.Protocol):
         self.path, self.spin_s, self.spin_if = path, spin_s, spin_if
         self.frames = _Frames()
         self._pending: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, asyncio.Queue] = {}  # call id -> its frames, (status, flags, bytes)
         self._ids = itertools.count(1)
         self._closed: str | None = None
 
@@ -316,7 +339,11 @@ class LocalChannel(_Writer, asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        for (_, call_id, code, _), body in self.frames.feed(data):
+        for (_, call_id, code, flags), body in self.frames.feed(data):
+            stream = self._streams.get(call_id)
+            if stream is not None:
+                stream.put_nowait((code, flags, body))
+                continue
             future = self._pending.get(call_id)
             if future is not None and not future.done():
                 future.set_result((code, body))
@@ -329,6 +356,8 @@ class LocalChannel(_Writer, asyncio.Protocol):
         for future in self._pending.values():
             if not future.done():
                 future.set_result((code.value[0], self._closed.encode()))
+        for stream in self._streams.values():
+            stream.put_nowait((code.value[0], 0, self._closed.encode()))
 
     async def call(self, method: str, request, timeout: float | None = None):
         kind = KINDS[method]
@@ -359,6 +388,43 @@ class LocalChannel(_Writer, asyncio.Protocol):
         if code != _OK:
             raise _error(STATUS.get(code, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
         return METHODS[kind][2].FromString(body)
+
+    async def stream(self, method: str, request, timeout: float | None = None):
+        """A server-streaming call (Generate): an async iterator of its messages, raising
+        grpc.aio.AioRpcError as `call` does. Leaving the iteration early cancels the call."""
+        kind = KINDS[method]
+        if self._closed is not None:
+            raise _error(grpc.StatusCode.UNAVAILABLE, self._closed)
+        payload = request.SerializeToString()
+        call_id = next(self._ids) & 0xFFFFFFFF
+        frames: asyncio.Queue = asyncio.Queue()
+        self._streams[call_id] = frames
+        timeout_us = min(0xFFFFFFFF, max(1, int(timeout * 1e6))) if timeout is not None else 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.transport.write(HEADER.pack(len(payload), call_id, kind, timeout_us) + payload)
+        ended = False
+        try:
+            try:
+                await self.drain()
+            except ConnectionError as e:
+                raise _error(grpc.StatusCode.UNAVAILABLE, f"local socket {self.path}: {e}") from None
+            while True:
+                try:
+                    # NOTE: the deadline is the whole call's, as gRPC's; the server enforces it too.
+                    code, flags, body = await asyncio.wait_for(frames.get(), None if deadline is None else max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method} over {self.path}: deadline of {timeout} s exceeded") from None
+                if flags & MORE:
+                    yield STREAMS[kind][2].FromString(body)
+                    continue
+                ended = True
+                if code != _OK:
+                    raise _error(STATUS.get(code, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
+                return
+        finally:
+            self._streams.pop(call_id, None)
+            if not ended:
+                self._cancel(call_id)  # the caller left early (or timed out): the server stops the stream
 
     async def _poll(self, future: asyncio.Future) -> None:
         """Turn the loop until `future` is done, for up to spin_s, while its call is the only one
