@@ -294,5 +294,5 @@ def test_the_gateway_reaches_its_engines_over_their_local_sockets(gateways, defa
     out = PROCS["embed"].output()
     sockets = set(re.findall(r"local socket (\S+\.sock)", out))
     assert len(sockets) == 2, out[-3000:]  # one per engine replica
-    used = set(re.findall(r"Embed and Score over its local socket (\S+\.sock)", out))
+    used = set(re.findall(r"Embed, Score and Generate over its local socket (\S+\.sock)", out))
     assert used and used <= sockets, out[-3000:]
