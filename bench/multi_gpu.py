@@ -214,7 +214,8 @@ def time_argmax(rank: int, tp: int, calls: int, device: torch.device, vocab: int
 
 def argmax_rank(rank: int, tp: int, port: int, args: dict, result_path: str) -> None:
     cuda = args["device"] == "cuda"
-    torch.set_num_threads(1 if not cuda else torch.get_num_threads())
+    if not cuda:
+        torch.set_num_threads(1)  # the ranks share the host's cores
     init_tensor_parallel(rank, tp, init_method=f"tcp://127.0.0.1:{port}", backend="nccl" if cuda else "gloo")
     try:
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -10,6 +10,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter (freezing is process-wide: not in the test process); it must succeed."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
 def test_freeze_moves_survivors_out_of_the_collectors_sight():
     code = (
         "import gc, torch\n"
@@ -21,8 +28,7 @@ def test_freeze_moves_survivors_out_of_the_collectors_sight():
         "del garbage\n"
         "assert gc.collect() >= 1\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_python(code)
 
 
 def test_frozen_objects_are_finalized_at_exit():
@@ -37,8 +43,7 @@ def test_frozen_objects_are_finalized_at_exit():
         "from florist.gcfreeze import freeze_startup_objects\n"
         "gc.freeze(); freeze_startup_objects()\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_python(code)
     assert proc.stdout.count("finalized") == 1, proc.stdout
 
 

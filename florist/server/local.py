@@ -223,8 +223,6 @@ class LocalServer:
                 response = None
             else:
                 response = await getattr(self.service, name)(request, _Context(deadline))
-        except TimeoutError:  # a stream past its deadline (unary handlers read theirs from the context)
-            connection.reply(call_id, grpc.StatusCode.DEADLINE_EXCEEDED, b"Deadline Exceeded")
         except _Aborted as e:
             connection.reply(call_id, e.code, e.message.encode())
         except Exception as e:  # what gRPC reports as UNKNOWN: an error in a handler
@@ -238,14 +236,18 @@ class LocalServer:
     @staticmethod
     async def _stream(messages, deadline: float | None, call_id: int, connection: "_ServerConnection") -> None:
         """Each message of a server-streaming handler as a MORE frame (the caller sends the last
-        frame). Cancelling the call's task closes the handler's generator, as gRPC does."""
-        async with asyncio.timeout(None if deadline is None else max(0.0, deadline - time.monotonic())):
-            try:
-                async for message in messages:
-                    connection.reply(call_id, grpc.StatusCode.OK, message.SerializeToString(), MORE)
-                    await connection.drain()  # a client that stops reading pauses its stream here
-            finally:
-                await messages.aclose()
+        frame). Cancelling the call's task closes the handler's generator, as gRPC does; so does
+        its deadline passing (unary handlers read theirs from the context)."""
+        try:
+            async with asyncio.timeout(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                try:
+                    async for message in messages:
+                        connection.reply(call_id, grpc.StatusCode.OK, message.SerializeToString(), MORE)
+                        await connection.drain()  # a client that stops reading pauses its stream here
+                finally:
+                    await messages.aclose()
+        except TimeoutError:
+            raise _Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
 
 
 class _ServerConnection(_Writer, asyncio.Protocol):
@@ -359,16 +361,22 @@ class LocalChannel(_Writer, asyncio.Protocol):
         for stream in self._streams.values():
             stream.put_nowait((code.value[0], 0, self._closed.encode()))
 
-    async def call(self, method: str, request, timeout: float | None = None):
-        kind = KINDS[method]
+    def _send(self, kind: int, request, timeout: float | None, replies: dict, receiver) -> int:
+        """Write one request, its replies to go to `receiver` (a call's future, a stream's queue),
+        registered in `replies` under the new call id, which is returned."""
         if self._closed is not None:
             raise _error(grpc.StatusCode.UNAVAILABLE, self._closed)
         payload = request.SerializeToString()
         call_id = next(self._ids) & 0xFFFFFFFF
-        future = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = future
+        replies[call_id] = receiver
         timeout_us = min(0xFFFFFFFF, max(1, int(timeout * 1e6))) if timeout is not None else 0
         self.transport.write(HEADER.pack(len(payload), call_id, kind, timeout_us) + payload)
+        return call_id
+
+    async def call(self, method: str, request, timeout: float | None = None):
+        kind = KINDS[method]
+        future = asyncio.get_running_loop().create_future()
+        call_id = self._send(kind, request, timeout, self._pending, future)
         try:
             async with asyncio.timeout(timeout):
                 await self.drain()  # returns at once unless the server has stopped reading
@@ -393,15 +401,9 @@ class LocalChannel(_Writer, asyncio.Protocol):
         """A server-streaming call (Generate): an async iterator of its messages, raising
         grpc.aio.AioRpcError as `call` does. Leaving the iteration early cancels the call."""
         kind = KINDS[method]
-        if self._closed is not None:
-            raise _error(grpc.StatusCode.UNAVAILABLE, self._closed)
-        payload = request.SerializeToString()
-        call_id = next(self._ids) & 0xFFFFFFFF
         frames: asyncio.Queue = asyncio.Queue()
-        self._streams[call_id] = frames
-        timeout_us = min(0xFFFFFFFF, max(1, int(timeout * 1e6))) if timeout is not None else 0
+        call_id = self._send(kind, request, timeout, self._streams, frames)
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.transport.write(HEADER.pack(len(payload), call_id, kind, timeout_us) + payload)
         ended = False
         try:
             try:
