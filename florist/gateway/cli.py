@@ -42,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gateway workers keep their event loop turning while no request is in flight, and a lone request polls for its "
                         "engine's reply over the local socket rather than sleeping (batch-1 latency, for a CPU core per worker)")
     p.add_argument("--no-local-socket", action="store_true",
-                   help="gateway and engines talk gRPC only (by default an engine on this host also serves Embed / Score on a Unix "
-                        "socket, which the gateway uses: less latency per request)")
+                   help="gateway and engines talk gRPC only (by default an engine on this host also serves Embed / Score / Generate on a "
+                        "Unix socket, which the gateway uses: less latency per request)")
     p.add_argument("--workers", type=int, default=1, help="gateway processes (default 1)")
     p.add_argument("--api-key", default=os.environ.get("FLORIST_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $FLORIST_API_KEY; none: no key)")
     p.add_argument("--payload-limit", type=int, default=d.payload_limit_bytes, help=f"largest request body in bytes (default {d.payload_limit_bytes})")

@@ -25,7 +25,7 @@ class GatewayConfig:
     startup_timeout_s: float = 300.0
     retry_after_s: int = 1
     reuse_port: bool = False                 # several worker processes on one port (SO_REUSEPORT)
-    local_socket: bool = True                # Embed / Score over an engine's local socket where it has one on this host
+    local_socket: bool = True                # Embed / Score / Generate over an engine's local socket where it has one on this host
     # Trade CPU for latency: the event loop keeps turning while no request is in flight, and the
     # engine call of a lone request (the only one in flight) polls for its reply over the local
     # socket for up to `reply_spin_ms` (florist/server/local.py) rather than sleeping until it lands.
