@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--busy-poll", action="store_true",
                    help="keep the event loop spinning while the server is idle instead of sleeping: lower batch-1 latency for one CPU core kept busy (GPU engines; a CPU engine needs that core)")
     p.add_argument("--local-socket", default="auto", metavar="PATH|auto|off",
-                   help="also serve Embed / Score on this Unix socket, which clients on this host (the gateway) find through Info and "
+                   help="also serve Embed / Score / Generate on this Unix socket, which clients on this host (the gateway) find through Info and "
                         "use instead of gRPC, for less latency per request (default auto: a path in $XDG_RUNTIME_DIR or the temp "
                         "directory, printed at start; off: gRPC only)")
     p.add_argument("--timing-metadata", action="store_true",

@@ -26,6 +26,6 @@ class ServerConfig:
     # Keep the event loop turning (never parked in epoll) while the server is idle: a request is
     # picked up at the next turn, on a core that never went idle. Costs one CPU core at 100 %.
     busy_poll: bool = False
-    # Also serve the unary RPCs on this Unix socket ("auto": a path of the server's choosing), for
+    # Also serve the RPCs on this Unix socket ("auto": a path of the server's choosing), for
     # a gateway on the same host (florist/server/local.py); None: gRPC only.
     local_socket: str | None = None
