@@ -1,6 +1,7 @@
 """The four serving scenarios (DESIGN.md) through HTTP: `florist serve` against the baseline a user
 would otherwise stand up (bench/baseline_server.py: FastAPI + uvicorn on sentence-transformers /
-transformers), same model directory, same inputs, same client, same run.
+transformers), and against Infinity (`infinity-emb`) when --infinity says how to run it; same
+model directory, same inputs, same client, same run.
 
     1. low-latency embedding: batch 1, one request after another, 128 / 512 / 4096 tokens, pre-tokenized
     2. low-latency scoring: 5 / 25 / 50 (query, document) pairs of 512 tokens, one request after another
@@ -10,6 +11,14 @@ transformers), same model directory, same inputs, same client, same run.
 Both servers answer OpenAI's /v1/embeddings (base64 floats, as OpenAI's Python client asks) and
 vLLM's /v1/score. Before timing, each server's outputs are compared with the other's on the
 scenarios' own inputs: embeddings by cosine (>= 0.999), scores by absolute difference (<= 0.01).
+
+Infinity's /embeddings takes text only, so where a scenario sends token ids (1 and 3) Infinity
+gets texts of the same token counts instead, and tokenizes them itself; it is compared with
+florist on those texts. Its /rerank has no vLLM /v1/score shape and it cannot rerank with a causal
+LM (the Qwen3 reranker), so it sits out scenario 2. infinity-emb 0.0.78 needs transformers < 5 and
+sentence-transformers < 4, so it runs from its own environment:
+
+    python bench/serve.py --infinity "env PYTHONPATH=/opt/infinity python3" --out r/
 Latency is per request, warm-up excluded, as p50 / p90 / p99 / max ms with the number of
 requests; throughput is measured over the timed requests of all clients together.
 
@@ -35,7 +44,15 @@ Writes one table to stdout and results.json plus PNG plots to --out (the plots n
 #   pyparsing==3.3.2 python-dateutil==2.9.0.post0 six==1.17.0 packaging==26.2
 # (besides what `florist serve` itself needs there: aiohttp, grpcio, protobuf). Without the first
 # group the baseline runs behind aiohttp instead, with the same handlers, and its start-up line
-# says so; without matplotlib the plots are skipped. infinity-emb is not there: reported skipped.
+# says so; without matplotlib the plots are skipped.
+# Infinity, in a directory of its own (pip install --no-index --no-deps --target DIR *.whl), put
+# first on PYTHONPATH by --infinity; ~21 MB; numpy, torch, scipy, scikit-learn, requests, PyYAML,
+# safetensors, regex, tqdm, filelock, fsspec, packaging are used from the machine:
+#   infinity-emb==0.0.78 transformers==4.57.6 sentence-transformers==3.4.1 tokenizers==0.22.2
+#   huggingface-hub==0.36.2 click==8.1.8 typer==0.12.5 rich==13.9.4 markdown-it-py==4.3.0 mdurl==0.1.2
+#   pygments==2.20.0 shellingham==1.5.4 posthog==7.91.1 backoff==2.2.1 distro==1.9.0
+#   python-dateutil==2.9.0.post0 six==1.17.0 prometheus-fastapi-instrumentator==8.1.0
+#   prometheus-client==0.26.0 httptools==0.9.0, and the baseline's fastapi group above
 
 from __future__ import annotations
 
@@ -43,14 +60,15 @@ import argparse
 import asyncio
 import base64
 import datetime
-import importlib.util
 import json
 import math
 import multiprocessing as mp
 import os
 import platform
 import re
+import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -80,7 +98,7 @@ GEOMETRIES = {
 }
 SCENARIO_TASK = {1: "embed", 2: "score", 3: "embed", 4: "embed"}
 SCENARIO_NAME = {1: "low-latency embedding", 2: "low-latency scoring", 3: "high-throughput embedding", 4: "high-concurrency embedding"}
-SERVERS = ("florist", "baseline")
+SERVERS = ("florist", "baseline", "infinity")  # in the table's order; Infinity only with --infinity
 
 
 @dataclass(frozen=True)
@@ -117,6 +135,11 @@ class Cell:
     warmup: int = 0      # untimed requests per client, first
     skipped: str = ""
     results: dict = field(default_factory=dict)  # server -> measurement
+    text_bodies: list[bytes] | None = None  # for servers that take text only: texts of the bodies' token counts
+    sits_out: dict = field(default_factory=dict)  # server -> why it does not run this cell
+
+    def bodies_for(self, server: str) -> list[bytes]:
+        return self.text_bodies if server == "infinity" and self.text_bodies is not None else self.bodies
 
     @property
     def key(self) -> str:
@@ -177,12 +200,13 @@ def score_body(query: str, docs: list[str]) -> bytes:
     return json.dumps({"text_1": query, "text_2": docs}).encode()
 
 
-def plan_cells(scenarios: list[int], plan: Plan, n: int, model: dict, seed: int = 0) -> list[Cell]:
+def plan_cells(scenarios: list[int], plan: Plan, n: int, model: dict, seed: int = 0, texts_too: bool = False) -> list[Cell]:
     """The cells of the scenarios this model serves, with their bodies and request counts.
 
     n (--requests) is the timed request count of scenarios 1 and 4 per cell; scenario 2 takes
     n / 4; scenario 3 takes n / 8 batches at its shortest length and proportionally fewer at
     longer ones (at least one per client process), so each cell costs about the same.
+    texts_too: also texts of the same token counts where the bodies hold ids (for Infinity).
     """
     texts = Texts(model["path"], seed)
     rng = np.random.default_rng(seed)
@@ -197,21 +221,27 @@ def plan_cells(scenarios: list[int], plan: Plan, n: int, model: dict, seed: int 
         if s == 1:
             for t in plan.s1_tokens:
                 cells.append(Cell(1, f"{t} tokens", "/v1/embeddings", [] if t > max_tokens else [embed_body(ids(1, t)) for _ in range(8)],
-                                  items=1, requests=n, warmup=max(3, n // 10), skipped=too_long if t > max_tokens else ""))
+                                  items=1, requests=n, warmup=max(3, n // 10), skipped=too_long if t > max_tokens else "",
+                                  text_bodies=[embed_body([texts.text(t)]) for _ in range(8)] if texts_too and t <= max_tokens else None))
         elif s == 2:
             tokens = min(plan.s2_tokens, max_tokens)
             query = texts.words_text(8)
             docs = [texts.document(query, tokens) for _ in range(max(plan.s2_pairs))]
             for k in plan.s2_pairs:
                 bodies = [score_body(query, [docs[(r + j) % len(docs)] for j in range(k)]) for r in range(4)]
-                cells.append(Cell(2, f"{k} pairs of {tokens} tokens", "/v1/score", bodies, items=k, requests=max(5, n // 4), warmup=3))
+                cells.append(Cell(2, f"{k} pairs of {tokens} tokens", "/v1/score", bodies, items=k, requests=max(5, n // 4), warmup=3,
+                                  sits_out={"infinity": "its /rerank is not vLLM's /v1/score, and it reranks with sequence classifiers only"}))
         elif s == 3:
             for t in plan.s3_tokens:
                 batches = max(plan.s3_procs, math.ceil(n / 8 * plan.s3_tokens[0] / t))
                 per_client = math.ceil(batches / plan.s3_procs)
                 bodies = [] if t > max_tokens else [embed_body(ids(plan.s3_batch, t)) for _ in range(2)]
+                text_bodies = None
+                if texts_too and t <= max_tokens:
+                    batch = [texts.text(t) for _ in range(plan.s3_batch)]
+                    text_bodies = [embed_body(batch), embed_body(batch[1:] + batch[:1])]
                 cells.append(Cell(3, f"{plan.s3_batch} x {t} tokens", "/v1/embeddings", bodies, items=plan.s3_batch, procs=plan.s3_procs,
-                                  requests=per_client * plan.s3_procs, warmup=1, skipped=too_long if t > max_tokens else ""))
+                                  requests=per_client * plan.s3_procs, warmup=1, skipped=too_long if t > max_tokens else "", text_bodies=text_bodies))
         elif s == 4:
             tokens = min(plan.s4_tokens, max_tokens)
             bodies = [embed_body(texts.text(tokens)) for _ in range(16)]
@@ -250,8 +280,40 @@ class Proc:
         terminate([self.proc], 30)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+INFINITY_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def infinity_command(args, model_dir: Path, port: int) -> list[str]:
+    """`infinity_emb v2` as its README starts it, on the same model directory, device and dtype.
+    The batch size stays at its default (32), as a user who does not tune it would leave it."""
+    device, _, index = args.device.partition(":")
+    dtype = INFINITY_DTYPES[args.dtype or ("fp32" if args.device == "cpu" else "bf16")]
+    return [*shlex.split(args.infinity), "-m", "infinity_emb.cli", "v2", "--model-id", str(model_dir), "--engine", "torch",
+            "--device", device, *(["--device-id", index] if index else []), "--dtype", dtype,
+            "--host", "127.0.0.1", "--port", str(port), "--url-prefix", "/v1"]
+
+
+def infinity_versions(command: str) -> dict:
+    """The packages Infinity runs on, as its own Python sees them; fails early when it cannot start."""
+    code = ("import importlib.metadata as m, importlib.util as u, json\n"
+            "assert u.find_spec('infinity_emb.cli'), 'infinity_emb.cli is not importable'\n"
+            "def v(p):\n try: return m.version(p)\n except m.PackageNotFoundError: return None\n"
+            "print(json.dumps({p: v(p) for p in ('infinity-emb', 'transformers', 'sentence-transformers', 'torch', 'numpy')}))")
+    out = subprocess.run([*shlex.split(command), "-c", code], capture_output=True, text=True, timeout=120)
+    if out.returncode:
+        raise SystemExit(f"--infinity {command!r} cannot report its packages (is infinity-emb installed there?):\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def start_servers(model: dict, args) -> dict[str, Proc]:
-    """`florist serve` and the baseline on the same model directory, started together."""
+    """`florist serve` and the baseline on the same model directory (Infinity too with --infinity,
+    for embedding models), started together."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if args.device == "cpu":  # NOTE: the two servers and the clients share the cores; more threads each only contend
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
@@ -261,15 +323,26 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
                                *(["--gateway-busy-poll"] if args.gateway_busy_poll else []), *(["--no-local-socket"] if args.no_local_socket else [])], env)
     baseline = Proc("baseline", [sys.executable, str(ROOT / "bench" / "baseline_server.py"), "--model", str(model["path"]), "--task", model["task"],
                                  "--device", args.device, "--port", "0", "--http", args.baseline_http, *dtype], env)
+    servers = {"florist": florist, "baseline": baseline}
+    if args.infinity and model["task"] == "embed":
+        # NOTE: no telemetry, no hub: the machine reaches nothing outside.
+        quiet = dict(env, INFINITY_ANONYMOUS_USAGE_STATS="0", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        quiet["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")  # its own packages come first through --infinity, florist's are not needed
+        command = infinity_command(args, model["path"], free_port())
+        servers["infinity"] = Proc("infinity", command, quiet)
     try:
         florist.wait_url(r" on (http://[\d.]+:\d+)", 1800)
         baseline.wait_url(r" on (http://[\d.]+:\d+)", 1800)
         wait_health(baseline, 300)
+        if "infinity" in servers:
+            servers["infinity"].wait_url(r"Uvicorn running on (http://[\d.]+:\d+)", 1800)
+            wait_health(servers["infinity"], 300)
+            servers["infinity"].banner = f"infinity: {' '.join(command[len(shlex.split(args.infinity)):])}"
     except BaseException:
-        florist.stop()
-        baseline.stop()
+        for server in servers.values():
+            server.stop()
         raise
-    return {"florist": florist, "baseline": baseline}
+    return servers
 
 
 CAPTURED = re.compile(r"captured a CUDA graph .* in ([\d.]+) ms")
@@ -347,18 +420,19 @@ def load_main(url: str, bodies: list[bytes], clients: int, per_client: int, warm
     conn.send(result)
 
 
-def measure(cell: Cell, url: str, deadline_s: float) -> dict:
+def measure(cell: Cell, url: str, deadline_s: float, bodies: list[bytes] | None = None) -> dict:
+    bodies = cell.bodies if bodies is None else bodies
     per_client = cell.requests // (cell.procs * cell.clients)
     target = url + cell.route
     if cell.procs == 1:
-        parts = [load_main(target, cell.bodies, cell.clients, per_client, cell.warmup, deadline_s, None, None)]
+        parts = [load_main(target, bodies, cell.clients, per_client, cell.warmup, deadline_s, None, None)]
     else:
         ctx = mp.get_context("spawn")
         barrier = ctx.Barrier(cell.procs)
         pipes, procs = [], []
         for _ in range(cell.procs):
             parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=load_main, args=(target, cell.bodies, cell.clients, per_client, cell.warmup, deadline_s, barrier, child))
+            p = ctx.Process(target=load_main, args=(target, bodies, cell.clients, per_client, cell.warmup, deadline_s, barrier, child))
             p.start()
             pipes.append(parent)
             procs.append(p)
@@ -382,24 +456,26 @@ def measure(cell: Cell, url: str, deadline_s: float) -> dict:
             "requests_per_s": ms.size / wall, "items_per_s": ms.size * cell.items / wall, "retries": sum(p[3] for p in parts)}
 
 
-async def check(cells: list[Cell], urls: dict[str, str], task: str) -> dict:
-    """Each server's answers to a few of the scenarios' own requests, compared before any timing."""
+async def check(cells: list[Cell], urls: dict[str, str], task: str, other: str = "baseline") -> dict:
+    """florist's and another server's answers to a few of the scenarios' own requests (the ones
+    that server is sent), compared before any timing."""
     import aiohttp
 
-    bodies = [c.bodies[0] for c in cells if c.bodies]
+    bodies = [c.bodies_for(other)[0] for c in cells if c.bodies and other not in c.sits_out]
     bodies = list(dict.fromkeys(bodies))  # scenario 4 repeats one body for every concurrency
+    pair = ("florist", other)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        replies = {s: [await post(session, urls[s] + cells[0].route, b) for b in bodies] for s in SERVERS}
+        replies = {s: [await post(session, urls[s] + cells[0].route, b) for b in bodies] for s in pair}
     if task == "embed":
         decode = lambda r: np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in sorted(r["data"], key=lambda d: d["index"])])
-        got, want = (np.concatenate([decode(r) for r in replies[s]]) for s in SERVERS)
-        cosine = float(((got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))).min())
+        got, want = (np.concatenate([decode(r) for r in replies[s]]) for s in pair)
+        cosine = float(((got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))).min()) if got.shape == want.shape else float("nan")
         ok = got.shape == want.shape and cosine >= 0.999
-        return {"what": "min cosine, florist vs baseline", "value": cosine, "bound": ">= 0.999", "rows": len(got), "ok": ok}
+        return {"what": f"min cosine, florist vs {other}", "value": cosine, "bound": ">= 0.999", "rows": len(got), "ok": ok}
     scores = lambda r: np.array([d["score"] for d in sorted(r["data"], key=lambda d: d["index"])])
-    got, want = (np.concatenate([scores(r) for r in replies[s]]) for s in SERVERS)
-    diff = float(np.abs(got - want).max())
-    return {"what": "max |score difference|, florist vs baseline", "value": diff, "bound": "<= 0.01", "rows": len(got), "ok": got.shape == want.shape and diff <= 0.01}
+    got, want = (np.concatenate([scores(r) for r in replies[s]]) for s in pair)
+    diff = float(np.abs(got - want).max()) if got.shape == want.shape else float("nan")
+    return {"what": f"max |score difference|, florist vs {other}", "value": diff, "bound": "<= 0.01", "rows": len(got), "ok": got.shape == want.shape and diff <= 0.01}
 
 
 # -- models ------------------------------------------------------------------------------------------
@@ -443,19 +519,32 @@ METRICS = {1: ("p50", "p90", "p99", "max"), 2: ("p50", "p90", "p99", "max"), 3: 
 UNITS = {"items_per_s": "emb/s", "requests_per_s": "req/s"}
 
 
+def ahead(florist: float, other: float, unit: str) -> float:
+    """How many times florist is ahead: other / florist for latency, florist / other for rates."""
+    return florist / other if unit != "ms" else other / florist
+
+
 def print_table(cells: list[Cell]) -> None:
+    infinity = any("infinity" in c.results for c in cells)
     print("\nratio: how many times florist is ahead (baseline / florist for latency, florist / baseline for throughput)")
-    print(f"{'scenario':<60}{'metric':>10}{'florist':>12}{'baseline':>12}{'ratio':>9}   n (florist / baseline)")
+    print(f"{'scenario':<60}{'metric':>10}{'florist':>12}{'baseline':>12}{'ratio':>9}"
+          + (f"{'infinity':>12}{'ratio':>9}" if infinity else "") + f"   n (florist / baseline{' / infinity' if infinity else ''})")
     for c in cells:
-        if c.skipped or len(c.results) < len(SERVERS):
+        if c.skipped or not {"florist", "baseline"} <= c.results.keys():
             print(f"{c.key:<60}  {'skipped: ' + c.skipped if c.skipped else 'not run (the run stopped first)'}")
             continue
-        f, b = c.results["florist"], c.results["baseline"]
+        f, b, i = c.results["florist"], c.results["baseline"], c.results.get("infinity")
         for m in METRICS[c.scenario]:
             unit = UNITS.get(m, "ms")
-            ratio = f[m] / b[m] if unit != "ms" else b[m] / f[m]
             name = f"{m} {unit}" if unit == "ms" else unit
-            print(f"{c.key:<60}{name:>10}{f[m]:>12.2f}{b[m]:>12.2f}{ratio:>8.2f}x   {f['n']} / {b['n']}")
+            line = f"{c.key:<60}{name:>10}{f[m]:>12.2f}{b[m]:>12.2f}{ahead(f[m], b[m], unit):>8.2f}x"
+            if infinity:
+                line += f"{i[m]:>12.2f}{ahead(f[m], i[m], unit):>8.2f}x" if i else f"{'-':>12}{'':>9}"
+            print(f"{line}   {f['n']} / {b['n']}" + (f" / {i['n'] if i else '-'}" if infinity else ""))
+    for c in cells:
+        for server, why in c.sits_out.items():
+            if infinity and server == "infinity" and not c.skipped:
+                print(f"NOTE: {server} sat out '{c.key}': {why}")
     for c in cells:
         for server, r in c.results.items():
             if r["retries"]:
@@ -476,7 +565,7 @@ def cell_from_row(row: dict) -> Cell:
     """A measured cell back from a results.json row (for --replot)."""
     return Cell(scenario=row["scenario"], label=row["label"], route="", bodies=[], items=row["items_per_request"],
                 procs=row["client_processes"], clients=row["clients_per_process"], skipped=row.get("skipped") or "",
-                results={k: row[k] for k in SERVERS if row.get(k)})
+                results={k: row[k] for k in SERVERS if row.get(k)})  # older files have no "infinity"
 
 
 def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
@@ -497,9 +586,17 @@ def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
         ax.yaxis.set_minor_formatter(plain)
         ax.tick_params(axis="y", which="minor", labelsize=7)
 
-    colors = {"florist": "tab:green", "baseline": "tab:gray"}
+    colors = {"florist": "tab:green", "baseline": "tab:gray", "infinity": "tab:blue"}
     written = []
-    done = [c for c in cells if len(c.results) == len(SERVERS)]
+    done = [c for c in cells if {"florist", "baseline"} <= c.results.keys()]
+
+    def bars(ax, x, c: Cell, value) -> None:
+        """One bar per server that ran the cell, side by side around each x."""
+        ran = [server for server in SERVERS if server in c.results]
+        width = 0.8 / len(ran)
+        for k, server in enumerate(ran):
+            ax.bar(x + (k - (len(ran) - 1) / 2) * width, value(c.results[server]), width, label=server, color=colors[server])
+
     for s in (1, 2, 4):
         group = [c for c in done if c.scenario == s]
         if not group:
@@ -508,8 +605,7 @@ def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
         for ax, c in zip(axes[0], group):
             qs = ("p50", "p90", "p99", "max")
             x = np.arange(len(qs))
-            for k, server in enumerate(SERVERS):
-                ax.bar(x + (k - 0.5) * 0.4, [c.results[server][q] for q in qs], 0.4, label=server, color=colors[server])
+            bars(ax, x, c, lambda r: [r[q] for q in qs])
             ax.set_xticks(x, qs)
             log_y(ax)
             ax.set_title(c.label, fontsize=9)
@@ -523,13 +619,13 @@ def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
     group = [c for c in done if c.scenario == 3]
     if group:
         fig, ax = plt.subplots(figsize=(6, 3.8))
-        x = np.arange(len(group))
-        for k, server in enumerate(SERVERS):
-            ax.bar(x + (k - 0.5) * 0.4, [c.results[server]["items_per_s"] for c in group], 0.4, label=server, color=colors[server])
-        ax.set_xticks(x, [c.label for c in group])
+        for k, c in enumerate(group):
+            bars(ax, np.array([k]), c, lambda r: [r["items_per_s"]])
+        ax.set_xticks(np.arange(len(group)), [c.label for c in group])
         ax.set_ylabel("embeddings / s")
         ax.set_title(f"scenario 3: {SCENARIO_NAME[3]}, {group[0].procs} client processes")
-        ax.legend()
+        by_label = dict(zip(*reversed(ax.get_legend_handles_labels())))  # one entry per server, not per bar
+        ax.legend(by_label.values(), by_label.keys())
         fig.tight_layout()
         written.append(out / "scenario3_throughput.png")
         fig.savefig(written[-1], dpi=120)
@@ -538,7 +634,7 @@ def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
     if group:
         clients = [c.procs * c.clients for c in group]  # concurrent clients in all processes
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-        for server in SERVERS:
+        for server in [x for x in SERVERS if all(x in c.results for c in group)]:
             a1.plot(clients, [c.results[server]["requests_per_s"] for c in group], "o-", label=server, color=colors[server])
             a2.plot(clients, [c.results[server]["p99"] for c in group], "o-", label=f"{server} p99", color=colors[server])
             a2.plot(clients, [c.results[server]["p50"] for c in group], "o--", label=f"{server} p50", color=colors[server], alpha=0.6)
@@ -587,6 +683,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--busy-poll", action="store_true", help="run `florist serve --busy-poll`: the engine servers' event loops never sleep while idle")
     p.add_argument("--gateway-busy-poll", action="store_true", help="run `florist serve --gateway-busy-poll`: the gateway's loop turns while idle and polls for lone replies")
     p.add_argument("--no-local-socket", action="store_true", help="run `florist serve --no-local-socket`: gateway to engine over gRPC only")
+    p.add_argument("--infinity", default=None, metavar="COMMAND",
+                   help="also run Infinity (infinity-emb) for the embedding scenarios: the command that starts a Python which imports "
+                        "infinity_emb, e.g. \"env PYTHONPATH=/opt/infinity python3\" (infinity-emb needs transformers < 5, so usually an environment of its own)")
     p.add_argument("--baseline-http", default="auto", choices=["auto", "fastapi", "aiohttp"], help="the baseline's HTTP server (auto: FastAPI when importable)")
     p.add_argument("--smoke", action="store_true", help="tiny models on the CPU, a few requests: the code path only")
     p.add_argument("--replot", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
@@ -611,13 +710,16 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     out = args.out or Path(tempfile.mkdtemp(prefix="florist-bench-serve-"))
     out.mkdir(parents=True, exist_ok=True)
-    if importlib.util.find_spec("infinity_emb") is None:
-        print("infinity: skipped (infinity_emb is not importable here)")
+    if not args.infinity:
+        print("infinity: not run (--infinity COMMAND says how to start a Python that imports infinity_emb)")
     else:
-        print("infinity: skipped (infinity_emb is importable, but this suite does not drive it yet: its API takes text only)")
+        meta_infinity = infinity_versions(args.infinity)
+        print(f"infinity: {meta_infinity}")
 
     tmp = Path(tempfile.mkdtemp(prefix="florist-bench-serve-models-"))
     meta = environment(args)
+    if args.infinity:
+        meta["versions"]["infinity"] = meta_infinity
     meta["models"], meta["servers"], meta["checks"] = {}, {}, {}
     all_cells: list[Cell] = []
     try:
@@ -629,27 +731,31 @@ def main(argv: list[str] | None = None) -> int:
             if task not in models:
                 continue
             model = models[task]
-            cells = plan_cells(scenarios, plan, args.requests, model)
+            cells = plan_cells(scenarios, plan, args.requests, model, texts_too=bool(args.infinity) and task == "embed")
             meta["models"][task] = {k: str(v) for k, v in model.items()}
             all_cells += cells
             if all(c.skipped for c in cells):
                 continue
             servers = start_servers(model, args)
             try:
-                urls = {s: servers[s].url for s in SERVERS}
-                meta["servers"][task] = {s: servers[s].banner for s in SERVERS}
-                print(f"{task} model {model['path'].name}:\n  {servers['florist'].banner}\n  {servers['baseline'].banner}", flush=True)
-                result = asyncio.run(check([c for c in cells if not c.skipped], urls, task))
-                meta["checks"][task] = result
-                print(f"  check: {result['what']} over {result['rows']} rows: {result['value']:.6f} ({result['bound']})", flush=True)
-                if not result["ok"]:
-                    raise SystemExit(f"florist's {task} outputs differ from the baseline's: {result}; not timing")
+                running = [s for s in SERVERS if s in servers]
+                urls = {s: servers[s].url for s in running}
+                meta["servers"][task] = {s: servers[s].banner for s in running}
+                print(f"{task} model {model['path'].name}:" + "".join(f"\n  {servers[s].banner}" for s in running), flush=True)
+                for other in running[1:]:
+                    result = asyncio.run(check([c for c in cells if not c.skipped], urls, task, other))
+                    meta["checks"][task if other == "baseline" else f"{task} {other}"] = result
+                    print(f"  check: {result['what']} over {result['rows']} rows: {result['value']:.6f} ({result['bound']})", flush=True)
+                    if not result["ok"]:
+                        raise SystemExit(f"florist's {task} outputs differ from {other}'s: {result}; not timing")
                 for cell in cells:
                     if cell.skipped:
                         continue
-                    for server in SERVERS:  # one after the other, cell by cell: drift hits both alike
+                    for server in running:  # one after the other, cell by cell: drift hits them alike
+                        if server in cell.sits_out:
+                            continue
                         t, logged = time.perf_counter(), len(servers[server].lines)
-                        cell.results[server] = measure(cell, urls[server], args.cell_seconds)
+                        cell.results[server] = measure(cell, urls[server], args.cell_seconds, cell.bodies_for(server))
                         r = cell.results[server]
                         if server == "florist":  # CUDA graphs the engine captured meanwhile (warm-up included): a capture stalls its batch
                             r["graphs_captured"] = captures(servers[server].lines[logged:])

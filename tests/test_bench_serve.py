@@ -107,3 +107,58 @@ def test_capture_times_are_read_from_the_engine_log():
              "[engine 0] something else\n", CAPTURE_LOG % (512, 1, 512, 9.0, 8, 181.0)]
     assert serve.captures(lines) == [41.2, 9.0]
     assert serve.captures(["florist engine-server: listening on 127.0.0.1:1"]) == []
+
+
+def test_serve_bench_drives_infinity(tmp_path):
+    """--infinity: a third server started with the given command (here tests/stand_ins, which
+    answers like Infinity and refuses token ids), sent texts of the same token counts where the
+    scenario sends ids, checked against florist, timed, tabled, plotted; it sits out scoring."""
+    stand_in = ROOT / "tests" / "stand_ins"
+    stdout = run_serve_bench("--scenarios", "1,2,3,4", "--requests", "3", "--out", str(tmp_path),
+                             "--infinity", f"env PYTHONPATH={stand_in} {sys.executable}")
+    cosine = re.search(r"check: min cosine, florist vs infinity over (\d+) rows: ([0-9.]+)", stdout)
+    assert cosine and int(cosine.group(1)) >= 3 + 1 + 1 and float(cosine.group(2)) >= 0.999, stdout  # scenario 1's three, 3's, 4's
+    assert "infinity: -m infinity_emb.cli v2 --model-id" in stdout and "--url-prefix /v1" in stdout
+    for row in ("1 low-latency embedding, 64 tokens", "3 high-throughput embedding, 10 x 128 tokens", "4 high-concurrency embedding, 32-token text, 4 clients"):
+        assert re.search(re.escape(row) + r"\s+(p50 ms|emb/s)\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+x\s+[0-9.]+\s+[0-9.]+x\s+\d+ / \d+ / \d+", stdout), row
+    assert re.search(r"NOTE: infinity sat out '2 low-latency scoring, 5 pairs of 256 tokens'", stdout), stdout
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["meta"]["checks"]["embed infinity"]["ok"]
+    assert results["meta"]["versions"]["infinity"]["infinity-emb"] is None  # the stand-in is no installed distribution
+    for r in results["rows"]:
+        if r["scenario"] == 2:
+            assert "infinity" not in r
+        else:
+            m = r["infinity"]
+            assert m["n"] == m["planned"] > 0 and m["p50"] <= m["max"] and m["items_per_s"] > 0
+    for name in ("scenario1_latency", "scenario3_throughput", "scenario4_concurrency"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_infinity_is_sent_texts_of_the_same_token_counts(tmp_path):
+    """Where a cell's bodies are token ids, its text bodies hold texts the model's tokenizer makes
+    exactly as many tokens of, one for each id list."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import serve
+    from geometries import make_model
+
+    path = make_model(tmp_path / "tiny-qwen3", "tiny-qwen3", variant="embed", dtype=torch.float32)
+    model = serve.describe_model(path, "test")
+    cells = serve.plan_cells([1, 3, 4], serve.SMOKE_PLAN, 4, model, texts_too=True)
+    texts = serve.Texts(path, 0)
+    checked = 0
+    for c in cells:
+        if c.scenario == 4:
+            assert c.text_bodies is None and c.bodies_for("infinity") is c.bodies  # already text
+            continue
+        assert len(c.text_bodies) == len(c.bodies)
+        for ids_body, text_body in zip(c.bodies, c.text_bodies):
+            ids, words = json.loads(ids_body)["input"], json.loads(text_body)["input"]
+            assert all(isinstance(w, str) for w in words)
+            assert [len(texts.tok.encode(w).ids) for w in words] == [len(i) for i in ids]
+            checked += len(words)
+    assert checked == 3 * 8 + 3 * 2 * 10
+    assert all(c.text_bodies is None for c in serve.plan_cells([1, 3], serve.SMOKE_PLAN, 4, model))

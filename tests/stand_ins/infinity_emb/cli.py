@@ -1,0 +1,60 @@
+"""A stand-in for infinity-emb's command line, for tests of bench/serve.py's Infinity path where
+infinity-emb is not installed (it needs transformers < 5): the `v2` arguments the bench passes,
+Infinity's start-up line, /health at the root, and POST {--url-prefix}/embeddings taking text only
+(token ids are refused with 422, as Infinity's request model refuses them), answered by
+bench/baseline_server.py's sentence-transformers handlers.
+
+    python -m infinity_emb.cli v2 --model-id DIR --engine torch --device cpu --dtype float32 \
+        --host 127.0.0.1 --port PORT --url-prefix /v1
+"""
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+import baseline_server  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="infinity_emb")
+    v2 = p.add_subparsers(dest="command", required=True).add_parser("v2")
+    v2.add_argument("--model-id", required=True)
+    v2.add_argument("--engine", choices=["torch"], required=True)
+    v2.add_argument("--device", choices=["cpu", "cuda"], required=True)
+    v2.add_argument("--device-id", default="")
+    v2.add_argument("--dtype", choices=sorted(DTYPES), required=True)
+    v2.add_argument("--host", required=True)
+    v2.add_argument("--port", type=int, required=True)
+    v2.add_argument("--url-prefix", default="")
+    args = p.parse_args()
+
+    from aiohttp import web
+
+    device = f"{args.device}:{args.device_id}" if args.device_id else args.device
+    model = baseline_server.load_model(args.model_id, "embed", device, DTYPES[args.dtype])
+    handlers = baseline_server.Handlers(model, "embed", Path(args.model_id).name)
+
+    async def embeddings(request: web.Request) -> web.Response:
+        body = await request.json()
+        texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
+        if not all(isinstance(t, str) for t in texts):
+            return web.json_response({"detail": "input: text only"}, status=422)
+        result = await asyncio.get_running_loop().run_in_executor(None, handlers.embeddings, texts, body.get("encoding_format", "float"))
+        return web.json_response(result)
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_post(f"{args.url_prefix}/embeddings", embeddings)
+    app.router.add_get("/health", lambda request: web.json_response({"unix": 0.0}))
+    print(f"INFO:     Uvicorn running on http://{args.host}:{args.port} (Press CTRL+C to quit)", flush=True)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
