@@ -137,6 +137,7 @@ class Cell:
     results: dict = field(default_factory=dict)  # server -> measurement
     text_bodies: list[bytes] | None = None  # for servers that take text only: texts of the bodies' token counts
     sits_out: dict = field(default_factory=dict)  # server -> why it does not run this cell
+    failed: dict = field(default_factory=dict)  # server (baseline or Infinity) -> what went wrong in this cell
 
     def bodies_for(self, server: str) -> list[bytes]:
         return self.text_bodies if server == "infinity" and self.text_bodies is not None else self.bodies
@@ -456,6 +457,10 @@ def measure(cell: Cell, url: str, deadline_s: float, bodies: list[bytes] | None 
             "requests_per_s": ms.size / wall, "items_per_s": ms.size * cell.items / wall, "retries": sum(p[3] for p in parts)}
 
 
+class ServerFailed(RuntimeError):
+    pass
+
+
 async def check(cells: list[Cell], urls: dict[str, str], task: str, other: str = "baseline") -> dict:
     """florist's and another server's answers to a few of the scenarios' own requests (the ones
     that server is sent), compared before any timing."""
@@ -465,7 +470,11 @@ async def check(cells: list[Cell], urls: dict[str, str], task: str, other: str =
     bodies = list(dict.fromkeys(bodies))  # scenario 4 repeats one body for every concurrency
     pair = ("florist", other)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        replies = {s: [await post(session, urls[s] + cells[0].route, b) for b in bodies] for s in pair}
+        replies = {"florist": [await post(session, urls["florist"] + cells[0].route, b) for b in bodies]}
+        try:
+            replies[other] = [await post(session, urls[other] + cells[0].route, b) for b in bodies]
+        except (RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise ServerFailed(f"{other} did not answer the check's requests: {type(e).__name__}: {e}") from e
     if task == "embed":
         decode = lambda r: np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in sorted(r["data"], key=lambda d: d["index"])])
         got, want = (np.concatenate([decode(r) for r in replies[s]]) for s in pair)
@@ -525,7 +534,7 @@ def ahead(florist: float, other: float, unit: str) -> float:
 
 
 def print_table(cells: list[Cell]) -> None:
-    infinity = any("infinity" in c.results for c in cells)
+    infinity = any("infinity" in c.results or "infinity" in c.failed for c in cells)
     print("\nratio: how many times florist is ahead (baseline / florist for latency, florist / baseline for throughput)")
     print(f"{'scenario':<60}{'metric':>10}{'florist':>12}{'baseline':>12}{'ratio':>9}"
           + (f"{'infinity':>12}{'ratio':>9}" if infinity else "") + f"   n (florist / baseline{' / infinity' if infinity else ''})")
@@ -539,12 +548,14 @@ def print_table(cells: list[Cell]) -> None:
             name = f"{m} {unit}" if unit == "ms" else unit
             line = f"{c.key:<60}{name:>10}{f[m]:>12.2f}{b[m]:>12.2f}{ahead(f[m], b[m], unit):>8.2f}x"
             if infinity:
-                line += f"{i[m]:>12.2f}{ahead(f[m], i[m], unit):>8.2f}x" if i else f"{'-':>12}{'':>9}"
+                line += f"{i[m]:>12.2f}{ahead(f[m], i[m], unit):>8.2f}x" if i else f"{'failed' if 'infinity' in c.failed else '-':>12}{'':>9}"
             print(f"{line}   {f['n']} / {b['n']}" + (f" / {i['n'] if i else '-'}" if infinity else ""))
     for c in cells:
         for server, why in c.sits_out.items():
             if infinity and server == "infinity" and not c.skipped:
                 print(f"NOTE: {server} sat out '{c.key}': {why}")
+        for server, why in c.failed.items():
+            print(f"NOTE: {server} failed in '{c.key}': {why}")
     for c in cells:
         for server, r in c.results.items():
             if r["retries"]:
@@ -555,7 +566,8 @@ def print_table(cells: list[Cell]) -> None:
 
 def write_json(out: Path, cells: list[Cell], meta: dict) -> Path:
     rows = [{"scenario": c.scenario, "name": SCENARIO_NAME[c.scenario], "label": c.label, "items_per_request": c.items, "client_processes": c.procs,
-             "clients_per_process": c.clients, "warmup_per_client": c.warmup, "skipped": c.skipped or None, **c.results} for c in cells]
+             "clients_per_process": c.clients, "warmup_per_client": c.warmup, "skipped": c.skipped or None, **c.results,
+             **({"failed": c.failed} if c.failed else {})} for c in cells]
     path = out / "results.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     return path
@@ -743,11 +755,21 @@ def main(argv: list[str] | None = None) -> int:
                 meta["servers"][task] = {s: servers[s].banner for s in running}
                 print(f"{task} model {model['path'].name}:" + "".join(f"\n  {servers[s].banner}" for s in running), flush=True)
                 for other in running[1:]:
-                    result = asyncio.run(check([c for c in cells if not c.skipped], urls, task, other))
+                    try:
+                        result = asyncio.run(check([c for c in cells if not c.skipped], urls, task, other))
+                    except ServerFailed as e:  # Infinity's errors are results; florist's or the baseline's stop the run
+                        if other == "baseline":
+                            raise
+                        result = {"what": f"florist vs {other}", "value": float("nan"), "bound": "", "rows": 0, "ok": False, "error": str(e)}
                     meta["checks"][task if other == "baseline" else f"{task} {other}"] = result
-                    print(f"  check: {result['what']} over {result['rows']} rows: {result['value']:.6f} ({result['bound']})", flush=True)
-                    if not result["ok"]:
+                    print(f"  check: {result['what']} over {result['rows']} rows: {result['value']:.6f} ({result['bound']})"
+                          + (f" FAILED: {result['error']}" if "error" in result else ""), flush=True)
+                    if not result["ok"] and other == "baseline":
                         raise SystemExit(f"florist's {task} outputs differ from {other}'s: {result}; not timing")
+                    if not result["ok"]:  # Infinity is not timed on answers that are not florist's
+                        for c in cells:
+                            c.failed[other] = "not timed: " + result.get("error", f"its outputs differ from florist's ({result['value']:.6f})")
+                        running.remove(other)
                 for cell in cells:
                     if cell.skipped:
                         continue
@@ -755,7 +777,23 @@ def main(argv: list[str] | None = None) -> int:
                         if server in cell.sits_out:
                             continue
                         t, logged = time.perf_counter(), len(servers[server].lines)
-                        cell.results[server] = measure(cell, urls[server], args.cell_seconds, cell.bodies_for(server))
+                        if (code := servers[server].proc.poll()) is not None:
+                            cell.failed[server] = f"not run: the server had exited (code {code})"
+                            print(f"  {cell.key:<58} {server:<9} {cell.failed[server]}", flush=True)
+                            continue
+                        try:
+                            cell.results[server] = measure(cell, urls[server], args.cell_seconds, cell.bodies_for(server))
+                        except RuntimeError as e:
+                            if server == "florist":
+                                raise
+                            # Another server's failure is a result too: record it, show why, go on with the rest.
+                            cell.failed[server] = str(e)[:500]
+                            time.sleep(1.0)  # its last words
+                            tail = "".join(servers[server].lines[logged:])[-3000:]
+                            print(f"  {cell.key:<58} {server:<9} FAILED: {cell.failed[server]}\n    its output meanwhile:\n"
+                                  + "\n".join("    | " + line for line in tail.splitlines()), flush=True)
+                            write_json(out, all_cells, meta)
+                            continue
                         r = cell.results[server]
                         if server == "florist":  # CUDA graphs the engine captured meanwhile (warm-up included): a capture stalls its batch
                             r["graphs_captured"] = captures(servers[server].lines[logged:])

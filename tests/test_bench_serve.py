@@ -162,3 +162,34 @@ def test_infinity_is_sent_texts_of_the_same_token_counts(tmp_path):
             checked += len(words)
     assert checked == 3 * 8 + 3 * 2 * 10
     assert all(c.text_bodies is None for c in serve.plan_cells([1, 3], serve.SMOKE_PLAN, 4, model))
+
+
+def test_a_server_that_dies_is_reported_and_the_run_goes_on(tmp_path):
+    """Infinity (the stand-in) dies in scenario 3's first cell (after the check's 4 requests and
+    2 of the cell's): that cell says it failed and shows its last output, the next cells say it had
+    exited, florist and the baseline are measured to the end, and the run exits 0 with the
+    failures in the table and results.json."""
+    stand_in = ROOT / "tests" / "stand_ins"
+    stdout = run_serve_bench("--scenarios", "3,4", "--requests", "3", "--out", str(tmp_path),
+                             "--infinity", f"env STAND_IN_EXIT_AFTER=6 PYTHONPATH={stand_in} {sys.executable}")
+    assert re.search(r"3 high-throughput embedding, 10 x 32 tokens\s+infinity\s+FAILED: ", stdout), stdout
+    assert "| stand-in: exiting on request 7" in stdout
+    assert re.search(r"4 high-concurrency embedding, 32-token text, 1 client\s+infinity\s+not run: the server had exited \(code 3\)", stdout), stdout
+    assert re.search(r"4 high-concurrency embedding, 32-token text, 4 clients\s+req/s\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+x\s+failed\s", stdout), stdout
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == 3 + 3
+    for r in rows:
+        assert r["florist"]["n"] > 0 and r["baseline"]["n"] > 0 and "infinity" not in r
+        assert set(r["failed"]) == {"infinity"}
+
+
+def test_infinity_failing_the_check_is_not_timed(tmp_path):
+    """Infinity dies while the check asks it (after 1 request): every cell says it was not
+    timed and why; florist and the baseline run as usual."""
+    stand_in = ROOT / "tests" / "stand_ins"
+    stdout = run_serve_bench("--scenarios", "1", "--requests", "3", "--out", str(tmp_path),
+                             "--infinity", f"env STAND_IN_EXIT_AFTER=1 PYTHONPATH={stand_in} {sys.executable}")
+    assert re.search(r"check: florist vs infinity over 0 rows: nan \(\) FAILED: infinity did not answer the check's requests", stdout), stdout
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == 3 and all(r["florist"]["n"] == 3 and r["baseline"]["n"] == 3 and "infinity" not in r for r in rows)
+    assert all(r["failed"]["infinity"].startswith("not timed: infinity did not answer") for r in rows)

@@ -2,7 +2,8 @@
 infinity-emb is not installed (it needs transformers < 5): the `v2` arguments the bench passes,
 Infinity's start-up line, /health at the root, and POST {--url-prefix}/embeddings taking text only
 (token ids are refused with 422, as Infinity's request model refuses them), answered by
-bench/baseline_server.py's sentence-transformers handlers.
+bench/baseline_server.py's sentence-transformers handlers. With STAND_IN_EXIT_AFTER=N in its
+environment the process dies on its (N + 1)-th embedding request, as a server that crashes does.
 
     python -m infinity_emb.cli v2 --model-id DIR --engine torch --device cpu --dtype float32 \
         --host 127.0.0.1 --port PORT --url-prefix /v1
@@ -10,6 +11,7 @@ bench/baseline_server.py's sentence-transformers handlers.
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -40,11 +42,17 @@ def main() -> int:
     model = baseline_server.load_model(args.model_id, "embed", device, DTYPES[args.dtype])
     handlers = baseline_server.Handlers(model, "embed", Path(args.model_id).name)
 
+    served = [0]
+
     async def embeddings(request: web.Request) -> web.Response:
         body = await request.json()
         texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
         if not all(isinstance(t, str) for t in texts):
             return web.json_response({"detail": "input: text only"}, status=422)
+        served[0] += 1
+        if served[0] > int(os.environ.get("STAND_IN_EXIT_AFTER", 1 << 62)):
+            print(f"stand-in: exiting on request {served[0]}", flush=True)
+            os._exit(3)
         result = await asyncio.get_running_loop().run_in_executor(None, handlers.embeddings, texts, body.get("encoding_format", "float"))
         return web.json_response(result)
 
