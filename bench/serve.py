@@ -347,11 +347,13 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
 
 
 CAPTURED = re.compile(r"captured a CUDA graph .* in ([\d.]+) ms")
+FIRST_SIGHT = re.compile(r"ran a first-sight batch eagerly .*: launched in ([\d.]+) ms")
 
 
-def captures(lines: list[str]) -> list[float]:
-    """The capture times (ms) in a florist server's log lines (florist/engine/graph_runner.py)."""
-    return [float(m.group(1)) for line in lines if (m := CAPTURED.search(line))]
+def captures(lines: list[str], pattern: re.Pattern = CAPTURED) -> list[float]:
+    """The capture times (ms) in a florist server's log lines (florist/engine/graph_runner.py);
+    with FIRST_SIGHT, the host times of its eager first sights of a bucket."""
+    return [float(m.group(1)) for line in lines if (m := pattern.search(line))]
 
 
 def wait_health(server: Proc, timeout_s: float) -> None:
@@ -391,7 +393,10 @@ def load_main(url: str, bodies: list[bytes], clients: int, per_client: int, warm
 
     async def run():
         timeout = aiohttp.ClientTimeout(total=600)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients), timeout=timeout) as session:
+        # NOTE: idle connections are dropped after 2 s, before uvicorn's 5 s keep-alive closes them
+        # from its side: a request sent on a connection the server is closing fails (a broken pipe).
+        connector = aiohttp.TCPConnector(limit=clients, keepalive_timeout=2.0)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             async def client(k: int, count: int, out: list | None, stop_at: float) -> None:
                 for i in range(count):
                     if out is not None and time.monotonic() > stop_at:
@@ -797,10 +802,12 @@ def main(argv: list[str] | None = None) -> int:
                         r = cell.results[server]
                         if server == "florist":  # CUDA graphs the engine captured meanwhile (warm-up included): a capture stalls its batch
                             r["graphs_captured"] = captures(servers[server].lines[logged:])
+                            r["first_sights"] = captures(servers[server].lines[logged:], FIRST_SIGHT)
                         print(f"  {cell.key:<58} {server:<9} n {r['n']:>4}  p50 {r['p50']:9.2f} ms  p99 {r['p99']:9.2f} ms  "
                               f"{r['items_per_s']:9.1f} {'emb' if task == 'embed' else 'pairs'}/s  ({time.perf_counter() - t:.1f} s)"
                               + (f"  {r['retries']} retries after 429 / 503" if r["retries"] else "")
-                              + (f"  {len(r['graphs_captured'])} graphs captured ({sum(r['graphs_captured']):.0f} ms)" if r.get("graphs_captured") else ""),
+                              + (f"  {len(r['graphs_captured'])} graphs captured ({sum(r['graphs_captured']):.0f} ms)" if r.get("graphs_captured") else "")
+                              + (f"  {len(r['first_sights'])} first sights (slowest launch {max(r['first_sights']):.0f} ms)" if r.get("first_sights") else ""),
                               flush=True)
                         meta["elapsed_s"] = time.perf_counter() - started
                         write_json(out, all_cells, meta)  # after every cell: a run stopped at its time limit keeps what it measured

@@ -107,6 +107,10 @@ def test_capture_times_are_read_from_the_engine_log():
              "[engine 0] something else\n", CAPTURE_LOG % (512, 1, 512, 9.0, 8, 181.0)]
     assert serve.captures(lines) == [41.2, 9.0]
     assert serve.captures(["florist engine-server: listening on 127.0.0.1:1"]) == []
+    from florist.engine.graph_runner import FIRST_SIGHT_LOG
+
+    assert serve.captures(lines + ["x: " + FIRST_SIGHT_LOG % (512, 3, 256, 812.5)], serve.FIRST_SIGHT) == [812.5]
+    assert serve.captures([FIRST_SIGHT_LOG % (512, 3, 256, 812.5)]) == []
 
 
 def test_serve_bench_drives_infinity(tmp_path):

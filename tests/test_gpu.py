@@ -125,7 +125,7 @@ def test_captures_are_timed_logged_and_replay_like_eager(qwen3_dir, caplog):
     give the eager output."""
     import logging
 
-    from florist.engine.graph_runner import CAPTURE_LOG
+    from florist.engine.graph_runner import CAPTURE_LOG, FIRST_SIGHT_LOG
 
     engine = florist.Engine.from_pretrained(qwen3_dir, device="cuda")
     rng = np.random.default_rng(3)
@@ -138,6 +138,8 @@ def test_captures_are_timed_logged_and_replay_like_eager(qwen3_dir, caplog):
     stats = engine.runner.graphs.stats()
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith(CAPTURE_LOG.split(" for ")[0])]
     assert stats["graphs"] == 2 and len(logged) == 2 and stats["capture_seconds"] > 0, (stats, logged)
+    first = [r.getMessage() for r in caplog.records if r.getMessage().startswith(FIRST_SIGHT_LOG.split(" for ")[0])]
+    assert len(first) == 2 and stats["first_sight_seconds"] > 0, (stats, first)
 
 
 def test_a_capture_while_another_thread_waits_on_a_batch(qwen3_dir):

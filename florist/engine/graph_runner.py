@@ -19,7 +19,8 @@ sequence whose pooled row is sliced off, and attention never mixes sequences.
 Batches above `max_tokens` run eagerly (there the GPU time dwarfs launch costs).
 
 A capture happens while a server runs (it stalls that batch by tens of ms), so each is logged
-with its time; `stats()` sums them. Capturing without what `torch.cuda.graph` does first
+with its time; `stats()` sums them. A first sight is logged too, with the host time its launch
+took: a shape the kernels have not met compiles them there, which can hold a batch far longer. Capturing without what `torch.cuda.graph` does first
 (synchronize, empty the device and pinned-host caches) was tried and stalled requests for up to
 1.5 s under load (docs/benchmarks.md), so captures go through `torch.cuda.graph`.
 """
@@ -40,6 +41,8 @@ from florist.engine.staging import InputStaging
 log = logging.getLogger(__name__)
 # Read back by bench/serve.py (graphs captured while a cell ran): keep "captured a CUDA graph" and "in N ms".
 CAPTURE_LOG = "captured a CUDA graph for %d tokens, up to %d sequences, longest %d, in %.1f ms (%d graphs, %.0f MiB)"
+# Read back the same way: keep "ran a first-sight batch eagerly" and "launched in N ms".
+FIRST_SIGHT_LOG = "ran a first-sight batch eagerly for %d tokens, up to %d sequences, longest %d: launched in %.1f ms"
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -78,6 +81,7 @@ class GraphRunner:
         self.pool = None
         self.graph_memory_bytes = 0  # device memory reserved while capturing (reported, not a budget)
         self.capture_seconds = 0.0  # host time spent capturing, all graphs
+        self.first_sight_seconds = 0.0  # host time spent launching first sights eagerly, all buckets
         # Callers keep up to two batches in flight and may launch a third before reading the
         # first: four pinned input buffers mean refilling one never waits on a running batch.
         self.staging = InputStaging(device, ring=4)
@@ -96,8 +100,12 @@ class GraphRunner:
             entry = self._capture(key, self.staging.send())
         if entry is None:
             self.seen.add(key)
+            started = time.perf_counter()
             batch = self._views(self.staging.send(), key)
-            return self.forward(batch)[: host.num_seqs]
+            output = self.forward(batch)[: host.num_seqs]
+            self.first_sight_seconds += time.perf_counter() - started
+            log.info(FIRST_SIGHT_LOG, key[0], key[1] - 1, key[2], (time.perf_counter() - started) * 1e3)
+            return output
         self.staging.send(out=entry.static_input)
         entry.graph.replay()
         return entry.output[: host.num_seqs]
@@ -138,4 +146,4 @@ class GraphRunner:
 
     def stats(self) -> dict:
         return {"graphs": len(self.graphs), "graph_memory_bytes": self.graph_memory_bytes, "capture_seconds": round(self.capture_seconds, 4),
-                "max_tokens": self.max_tokens}
+                "first_sight_seconds": round(self.first_sight_seconds, 4), "max_tokens": self.max_tokens}
