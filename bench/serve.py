@@ -348,6 +348,7 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
 
 CAPTURED = re.compile(r"captured a CUDA graph .* in ([\d.]+) ms")
 FIRST_SIGHT = re.compile(r"ran a first-sight batch eagerly .*: launched in ([\d.]+) ms")
+FIRST_SIGHT_CPU = re.compile(r"ran a first-sight batch eagerly .*: launched in [\d.]+ ms \(([\d.]+) ms of this thread's CPU\)")
 
 
 def captures(lines: list[str], pattern: re.Pattern = CAPTURED) -> list[float]:
@@ -803,11 +804,14 @@ def main(argv: list[str] | None = None) -> int:
                         if server == "florist":  # CUDA graphs the engine captured meanwhile (warm-up included): a capture stalls its batch
                             r["graphs_captured"] = captures(servers[server].lines[logged:])
                             r["first_sights"] = captures(servers[server].lines[logged:], FIRST_SIGHT)
+                            r["first_sights_cpu"] = captures(servers[server].lines[logged:], FIRST_SIGHT_CPU)  # same order
                         print(f"  {cell.key:<58} {server:<9} n {r['n']:>4}  p50 {r['p50']:9.2f} ms  p99 {r['p99']:9.2f} ms  "
                               f"{r['items_per_s']:9.1f} {'emb' if task == 'embed' else 'pairs'}/s  ({time.perf_counter() - t:.1f} s)"
                               + (f"  {r['retries']} retries after 429 / 503" if r["retries"] else "")
                               + (f"  {len(r['graphs_captured'])} graphs captured ({sum(r['graphs_captured']):.0f} ms)" if r.get("graphs_captured") else "")
-                              + (f"  {len(r['first_sights'])} first sights (slowest launch {max(r['first_sights']):.0f} ms)" if r.get("first_sights") else ""),
+                              + (f"  {len(r['first_sights'])} first sights (slowest launch {max(r['first_sights']):.0f} ms, "
+                                 f"{r['first_sights_cpu'][r['first_sights'].index(max(r['first_sights']))]:.0f} ms of it on the CPU)"
+                                 if r.get("first_sights") and len(r["first_sights_cpu"]) == len(r["first_sights"]) else ""),
                               flush=True)
                         meta["elapsed_s"] = time.perf_counter() - started
                         write_json(out, all_cells, meta)  # after every cell: a run stopped at its time limit keeps what it measured

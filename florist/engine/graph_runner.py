@@ -20,7 +20,8 @@ Batches above `max_tokens` run eagerly (there the GPU time dwarfs launch costs).
 
 A capture happens while a server runs (it stalls that batch by tens of ms), so each is logged
 with its time; `stats()` sums them. A first sight is logged too, with the host time its launch
-took: a shape the kernels have not met compiles them there, which can hold a batch far longer. Capturing without what `torch.cuda.graph` does first
+took: in one process 27-42 ms for 2-16 x 512 tokens of Qwen3-0.6B on the H200, but 0.75-1.1 s
+inside `florist serve` under four to eight clients (docs/benchmarks.md), a stall not yet explained. Capturing without what `torch.cuda.graph` does first
 (synchronize, empty the device and pinned-host caches) was tried and stalled requests for up to
 1.5 s under load (docs/benchmarks.md), so captures go through `torch.cuda.graph`.
 """
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 # Read back by bench/serve.py (graphs captured while a cell ran): keep "captured a CUDA graph" and "in N ms".
 CAPTURE_LOG = "captured a CUDA graph for %d tokens, up to %d sequences, longest %d, in %.1f ms (%d graphs, %.0f MiB)"
 # Read back the same way: keep "ran a first-sight batch eagerly" and "launched in N ms".
-FIRST_SIGHT_LOG = "ran a first-sight batch eagerly for %d tokens, up to %d sequences, longest %d: launched in %.1f ms"
+# The thread's CPU time beside the wall time tells work (compiling, Python) from waiting (the GIL, a device sync).
+FIRST_SIGHT_LOG = "ran a first-sight batch eagerly for %d tokens, up to %d sequences, longest %d: launched in %.1f ms (%.1f ms of this thread's CPU)"
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -100,11 +102,12 @@ class GraphRunner:
             entry = self._capture(key, self.staging.send())
         if entry is None:
             self.seen.add(key)
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             batch = self._views(self.staging.send(), key)
             output = self.forward(batch)[: host.num_seqs]
-            self.first_sight_seconds += time.perf_counter() - started
-            log.info(FIRST_SIGHT_LOG, key[0], key[1] - 1, key[2], (time.perf_counter() - started) * 1e3)
+            took = time.perf_counter() - started
+            self.first_sight_seconds += took
+            log.info(FIRST_SIGHT_LOG, key[0], key[1] - 1, key[2], took * 1e3, (time.thread_time() - cpu) * 1e3)
             return output
         self.staging.send(out=entry.static_input)
         entry.graph.replay()
