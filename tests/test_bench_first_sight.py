@@ -1,0 +1,35 @@
+"""bench/first_sight.py: first sights of graph buckets timed under the conditions a server adds
+(GPU only: graph buckets exist only on CUDA)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "first_sight.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
+def test_without_cuda_it_says_so():
+    out = run("--smoke")
+    assert out.returncode == 1 and "needs CUDA" in out.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_condition_times_its_first_sights():
+    out = run("--smoke", "--shapes", "2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for condition in ("cold (compiling)", "alone", "after capture", "batch in flight", "waiter thread", "GIL contender"):
+        rows = re.findall(re.escape(condition) + r"\s+\d+ x 64\s+([0-9.]+)\s+([0-9.]+)", out.stdout)
+        assert len(rows) == (10 if condition.startswith("cold") else 2), (condition, out.stdout)
+    graphs = re.search(r"second engine: (\d+) graphs captured", out.stdout)
+    assert graphs and int(graphs.group(1)) == 1 + 2  # the background batch and the two capture shapes
