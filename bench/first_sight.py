@@ -3,10 +3,10 @@ that batch eagerly (florist/engine/graph_runner.py). This script times those lau
 own and beside what a server has going on around them.
 
 Under `florist serve`, scenario 4 of bench/serve.py has seen first sights launch in 0.75-1.1 s on
-the H200. The same shapes took 27-42 ms when timed alone in one process (docs/benchmarks.md).
-Each condition below launches first sights of shapes the engine has not seen, and prints the wall
-time of `step()` (the launch) and the launching thread's CPU time. Wall time far above CPU time
-means the thread waited: for the GIL, or for the device.
+the H200 (docs/benchmarks.md): kernels compiling for a shape class not met before, or the
+launching thread waiting. Each condition below launches first sights of shapes the engine has not
+seen, and prints the wall time of `step()` (the launch) and the launching thread's CPU time. Wall
+time far above CPU time means the thread waited: for the GIL, or for the device.
 
     alone            nothing else happening
     after capture    right after a graph capture (torch.cuda.graph syncs and empties the caches)
@@ -14,8 +14,10 @@ means the thread waited: for the GIL, or for the device.
     waiter thread    that batch's wait parked on a thread, as the server parks it
     GIL contender    a thread running pure Python all along
 
-Compilation is kept out: a first engine in the same process runs every shape first (the "cold"
-rows), and the conditions then run on a second engine, whose graph buckets are all new.
+Compilation is measured apart and then kept out. Triton's cache starts empty (a fresh
+TRITON_CACHE_DIR unless --keep-triton-cache), a first engine runs every shape once (the "cold"
+rows: compiling), and the conditions then run on a second engine in the same process, whose
+graph buckets are all new but whose kernels are compiled.
 
     python bench/first_sight.py               # Qwen3-0.6B geometry, CUDA
     python bench/first_sight.py --smoke       # tiny model, short sequences: the code path only
@@ -24,6 +26,7 @@ rows), and the conditions then run on a second engine, whose graph buckets are a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import threading
@@ -95,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model, 64-token sequences")
     p.add_argument("--length", type=int, default=None, help="tokens per sequence (default 512; 64 with --smoke)")
     p.add_argument("--shapes", type=int, default=3, help="first sights per condition (default 3)")
+    p.add_argument("--keep-triton-cache", action="store_true", help="use Triton's usual cache (default: a fresh one, so the cold rows compile)")
     args = p.parse_args(argv)
+    if not args.keep_triton_cache:  # before any kernel compiles; Triton reads it when it compiles
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="florist-first-sight-triton-")
     if not torch.cuda.is_available():
         print("first_sight: needs CUDA (graph buckets exist only there)")
         return 1

@@ -20,8 +20,8 @@ Batches above `max_tokens` run eagerly (there the GPU time dwarfs launch costs).
 
 A capture happens while a server runs (it stalls that batch by tens of ms), so each is logged
 with its time; `stats()` sums them. A first sight is logged too, with the host time its launch
-took: in one process 27-42 ms for 2-16 x 512 tokens of Qwen3-0.6B on the H200, but 0.75-1.1 s
-inside `florist serve` under four to eight clients (docs/benchmarks.md), a stall not yet explained. Capturing without what `torch.cuda.graph` does first
+took: 0.75-1.1 s for some inside `florist serve` on the H200 under four to eight clients, a
+stall not explained yet (docs/benchmarks.md; bench/first_sight.py). Capturing without what `torch.cuda.graph` does first
 (synchronize, empty the device and pinned-host caches) was tried and stalled requests for up to
 1.5 s under load (docs/benchmarks.md), so captures go through `torch.cuda.graph`.
 """
