@@ -686,6 +686,66 @@ def environment(args) -> dict:
             "dtype": args.dtype or ("bf16" if args.device != "cpu" else "fp32"), "versions": versions}
 
 
+def check_servers(cells: list[Cell], urls: dict[str, str], task: str, running: list[str], meta: dict) -> list[str]:
+    """florist's outputs against each other server's, before any timing. The baseline must agree
+    (or the run stops); Infinity that fails its check or disagrees is left untimed, each cell
+    saying why. Returns the servers to time."""
+    for other in running[1:]:
+        try:
+            result = asyncio.run(check([c for c in cells if not c.skipped], urls, task, other))
+        except ServerFailed as e:  # Infinity's errors are results; florist's or the baseline's stop the run
+            if other == "baseline":
+                raise
+            result = {"what": f"florist vs {other}", "value": float("nan"), "bound": "", "rows": 0, "ok": False, "error": str(e)}
+        meta["checks"][task if other == "baseline" else f"{task} {other}"] = result
+        print(f"  check: {result['what']} over {result['rows']} rows: {result['value']:.6f} ({result['bound']})"
+              + (f" FAILED: {result['error']}" if "error" in result else ""), flush=True)
+        if not result["ok"] and other == "baseline":
+            raise SystemExit(f"florist's {task} outputs differ from {other}'s: {result}; not timing")
+        if not result["ok"]:
+            for c in cells:
+                c.failed[other] = "not timed: " + result.get("error", f"its outputs differ from florist's ({result['value']:.6f})")
+    return [s for s in running if s == "florist" or meta["checks"][task if s == "baseline" else f"{task} {s}"]["ok"]]
+
+
+def time_cell(cell: Cell, server: str, proc: Proc, cell_seconds: float, task: str) -> None:
+    """One server's measurement of one cell into cell.results, with a progress line. A baseline or
+    Infinity failure is a result too: it goes to cell.failed with the server's output meanwhile,
+    and the run goes on; florist's stops the run."""
+    t, logged = time.perf_counter(), len(proc.lines)
+    if (code := proc.proc.poll()) is not None:
+        cell.failed[server] = f"not run: the server had exited (code {code})"
+        print(f"  {cell.key:<58} {server:<9} {cell.failed[server]}", flush=True)
+        return
+    try:
+        r = cell.results[server] = measure(cell, proc.url, cell_seconds, cell.bodies_for(server))
+    except RuntimeError as e:
+        if server == "florist":
+            raise
+        cell.failed[server] = str(e)[:500]
+        time.sleep(1.0)  # its last words
+        tail = "".join(proc.lines[logged:])[-3000:]
+        print(f"  {cell.key:<58} {server:<9} FAILED: {cell.failed[server]}\n    its output meanwhile:\n"
+              + "\n".join("    | " + line for line in tail.splitlines()), flush=True)
+        return
+    notes = []
+    if r["retries"]:
+        notes.append(f"{r['retries']} retries after 429 / 503")
+    if server == "florist":  # what the engine logged meanwhile (warm-up included): captures and first sights stall their batch
+        lines = proc.lines[logged:]
+        r["graphs_captured"] = captures(lines)
+        r["first_sights"], r["first_sights_cpu"] = captures(lines, FIRST_SIGHT), captures(lines, FIRST_SIGHT_CPU)  # same order
+        if r["graphs_captured"]:
+            notes.append(f"{len(r['graphs_captured'])} graphs captured ({sum(r['graphs_captured']):.0f} ms)")
+        if r["first_sights"]:
+            slowest = max(range(len(r["first_sights"])), key=r["first_sights"].__getitem__)
+            cpu = f", {r['first_sights_cpu'][slowest]:.0f} ms of it on the CPU" if len(r["first_sights_cpu"]) == len(r["first_sights"]) else ""
+            notes.append(f"{len(r['first_sights'])} first sights (slowest launch {r['first_sights'][slowest]:.0f} ms{cpu})")
+    print(f"  {cell.key:<58} {server:<9} n {r['n']:>4}  p50 {r['p50']:9.2f} ms  p99 {r['p99']:9.2f} ms  "
+          f"{r['items_per_s']:9.1f} {'emb' if task == 'embed' else 'pairs'}/s  ({time.perf_counter() - t:.1f} s)"
+          + "".join("  " + n for n in notes), flush=True)
+
+
 # -- main --------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -760,61 +820,15 @@ def main(argv: list[str] | None = None) -> int:
                 urls = {s: servers[s].url for s in running}
                 meta["servers"][task] = {s: servers[s].banner for s in running}
                 print(f"{task} model {model['path'].name}:" + "".join(f"\n  {servers[s].banner}" for s in running), flush=True)
-                for other in running[1:]:
-                    try:
-                        result = asyncio.run(check([c for c in cells if not c.skipped], urls, task, other))
-                    except ServerFailed as e:  # Infinity's errors are results; florist's or the baseline's stop the run
-                        if other == "baseline":
-                            raise
-                        result = {"what": f"florist vs {other}", "value": float("nan"), "bound": "", "rows": 0, "ok": False, "error": str(e)}
-                    meta["checks"][task if other == "baseline" else f"{task} {other}"] = result
-                    print(f"  check: {result['what']} over {result['rows']} rows: {result['value']:.6f} ({result['bound']})"
-                          + (f" FAILED: {result['error']}" if "error" in result else ""), flush=True)
-                    if not result["ok"] and other == "baseline":
-                        raise SystemExit(f"florist's {task} outputs differ from {other}'s: {result}; not timing")
-                    if not result["ok"]:  # Infinity is not timed on answers that are not florist's
-                        for c in cells:
-                            c.failed[other] = "not timed: " + result.get("error", f"its outputs differ from florist's ({result['value']:.6f})")
-                        running.remove(other)
+                running = check_servers(cells, urls, task, running, meta)
                 for cell in cells:
                     if cell.skipped:
                         continue
                     for server in running:  # one after the other, cell by cell: drift hits them alike
-                        if server in cell.sits_out:
-                            continue
-                        t, logged = time.perf_counter(), len(servers[server].lines)
-                        if (code := servers[server].proc.poll()) is not None:
-                            cell.failed[server] = f"not run: the server had exited (code {code})"
-                            print(f"  {cell.key:<58} {server:<9} {cell.failed[server]}", flush=True)
-                            continue
-                        try:
-                            cell.results[server] = measure(cell, urls[server], args.cell_seconds, cell.bodies_for(server))
-                        except RuntimeError as e:
-                            if server == "florist":
-                                raise
-                            # Another server's failure is a result too: record it, show why, go on with the rest.
-                            cell.failed[server] = str(e)[:500]
-                            time.sleep(1.0)  # its last words
-                            tail = "".join(servers[server].lines[logged:])[-3000:]
-                            print(f"  {cell.key:<58} {server:<9} FAILED: {cell.failed[server]}\n    its output meanwhile:\n"
-                                  + "\n".join("    | " + line for line in tail.splitlines()), flush=True)
-                            write_json(out, all_cells, meta)
-                            continue
-                        r = cell.results[server]
-                        if server == "florist":  # CUDA graphs the engine captured meanwhile (warm-up included): a capture stalls its batch
-                            r["graphs_captured"] = captures(servers[server].lines[logged:])
-                            r["first_sights"] = captures(servers[server].lines[logged:], FIRST_SIGHT)
-                            r["first_sights_cpu"] = captures(servers[server].lines[logged:], FIRST_SIGHT_CPU)  # same order
-                        print(f"  {cell.key:<58} {server:<9} n {r['n']:>4}  p50 {r['p50']:9.2f} ms  p99 {r['p99']:9.2f} ms  "
-                              f"{r['items_per_s']:9.1f} {'emb' if task == 'embed' else 'pairs'}/s  ({time.perf_counter() - t:.1f} s)"
-                              + (f"  {r['retries']} retries after 429 / 503" if r["retries"] else "")
-                              + (f"  {len(r['graphs_captured'])} graphs captured ({sum(r['graphs_captured']):.0f} ms)" if r.get("graphs_captured") else "")
-                              + (f"  {len(r['first_sights'])} first sights (slowest launch {max(r['first_sights']):.0f} ms, "
-                                 f"{r['first_sights_cpu'][r['first_sights'].index(max(r['first_sights']))]:.0f} ms of it on the CPU)"
-                                 if r.get("first_sights") and len(r["first_sights_cpu"]) == len(r["first_sights"]) else ""),
-                              flush=True)
-                        meta["elapsed_s"] = time.perf_counter() - started
-                        write_json(out, all_cells, meta)  # after every cell: a run stopped at its time limit keeps what it measured
+                        if server not in cell.sits_out:
+                            time_cell(cell, server, servers[server], args.cell_seconds, task)
+                            meta["elapsed_s"] = time.perf_counter() - started
+                            write_json(out, all_cells, meta)  # after every cell: a run stopped at its time limit keeps what it measured
             finally:
                 for server in servers.values():
                     server.stop()
