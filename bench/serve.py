@@ -348,7 +348,8 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
 
 CAPTURED = re.compile(r"captured a CUDA graph .* in ([\d.]+) ms")
 FIRST_SIGHT = re.compile(r"ran a first-sight batch eagerly .*: launched in ([\d.]+) ms")
-FIRST_SIGHT_CPU = re.compile(r"ran a first-sight batch eagerly .*: launched in [\d.]+ ms \(([\d.]+) ms of this thread's CPU\)")
+FIRST_SIGHT_CPU = re.compile(r"ran a first-sight batch eagerly .*: launched in [\d.]+ ms \(([\d.]+) ms of this thread's CPU")
+FIRST_SIGHT_COMPILED = re.compile(r"ran a first-sight batch eagerly .*Triton kernels compiled (\d+)")
 
 
 def captures(lines: list[str], pattern: re.Pattern = CAPTURED) -> list[float]:
@@ -735,11 +736,14 @@ def time_cell(cell: Cell, server: str, proc: Proc, cell_seconds: float, task: st
         lines = proc.lines[logged:]
         r["graphs_captured"] = captures(lines)
         r["first_sights"], r["first_sights_cpu"] = captures(lines, FIRST_SIGHT), captures(lines, FIRST_SIGHT_CPU)  # same order
+        r["first_sights_compiled"] = [int(n) for n in captures(lines, FIRST_SIGHT_COMPILED)]
         if r["graphs_captured"]:
             notes.append(f"{len(r['graphs_captured'])} graphs captured ({sum(r['graphs_captured']):.0f} ms)")
         if r["first_sights"]:
             slowest = max(range(len(r["first_sights"])), key=r["first_sights"].__getitem__)
             cpu = f", {r['first_sights_cpu'][slowest]:.0f} ms of it on the CPU" if len(r["first_sights_cpu"]) == len(r["first_sights"]) else ""
+            if len(r["first_sights_compiled"]) == len(r["first_sights"]):
+                cpu += f", {r['first_sights_compiled'][slowest]} kernels compiled"
             notes.append(f"{len(r['first_sights'])} first sights (slowest launch {r['first_sights'][slowest]:.0f} ms{cpu})")
     print(f"  {cell.key:<58} {server:<9} n {r['n']:>4}  p50 {r['p50']:9.2f} ms  p99 {r['p99']:9.2f} ms  "
           f"{r['items_per_s']:9.1f} {'emb' if task == 'embed' else 'pairs'}/s  ({time.perf_counter() - t:.1f} s)"

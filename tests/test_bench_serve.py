@@ -109,9 +109,10 @@ def test_capture_times_are_read_from_the_engine_log():
     assert serve.captures(["florist engine-server: listening on 127.0.0.1:1"]) == []
     from florist.engine.graph_runner import FIRST_SIGHT_LOG
 
-    first = FIRST_SIGHT_LOG % (512, 3, 256, 812.5, 30.25)
+    first = FIRST_SIGHT_LOG % (512, 3, 256, 812.5, 30.25, 7, 2)
     assert serve.captures(lines + ["x: " + first], serve.FIRST_SIGHT) == [812.5]
     assert serve.captures(lines + ["x: " + first], serve.FIRST_SIGHT_CPU) == [30.2]
+    assert serve.captures(lines + ["x: " + first], serve.FIRST_SIGHT_COMPILED) == [7.0]
     assert serve.captures([first]) == []
 
 

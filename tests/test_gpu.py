@@ -140,6 +140,7 @@ def test_captures_are_timed_logged_and_replay_like_eager(qwen3_dir, caplog):
     assert stats["graphs"] == 2 and len(logged) == 2 and stats["capture_seconds"] > 0, (stats, logged)
     first = [r.getMessage() for r in caplog.records if r.getMessage().startswith(FIRST_SIGHT_LOG.split(" for ")[0])]
     assert len(first) == 2 and stats["first_sight_seconds"] > 0, (stats, first)
+    assert all("Triton kernels compiled" in m for m in first), first  # kernels/compile_watch.py reported
 
 
 def test_a_capture_while_another_thread_waits_on_a_batch(qwen3_dir):

@@ -38,13 +38,16 @@ import torch
 
 from florist.engine.batch import HostBatch, RaggedBatch, pack, packed_size, views
 from florist.engine.staging import InputStaging
+from florist.kernels import compile_watch
 
 log = logging.getLogger(__name__)
 # Read back by bench/serve.py (graphs captured while a cell ran): keep "captured a CUDA graph" and "in N ms".
 CAPTURE_LOG = "captured a CUDA graph for %d tokens, up to %d sequences, longest %d, in %.1f ms (%d graphs, %.0f MiB)"
 # Read back the same way: keep "ran a first-sight batch eagerly" and "launched in N ms".
-# The thread's CPU time beside the wall time tells work (compiling, Python) from waiting (the GIL, a device sync).
-FIRST_SIGHT_LOG = "ran a first-sight batch eagerly for %d tokens, up to %d sequences, longest %d: launched in %.1f ms (%.1f ms of this thread's CPU)"
+# The thread's CPU time beside the wall time tells work (compiling, Python) from waiting (the GIL, a device sync),
+# and the Triton kernels compiled or loaded from its disk cache meanwhile (kernels/compile_watch.py) tell compiling apart.
+FIRST_SIGHT_LOG = ("ran a first-sight batch eagerly for %d tokens, up to %d sequences, longest %d: launched in %.1f ms "
+                   "(%.1f ms of this thread's CPU; Triton kernels compiled %d, loaded from its cache %d)")
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -84,6 +87,7 @@ class GraphRunner:
         self.graph_memory_bytes = 0  # device memory reserved while capturing (reported, not a budget)
         self.capture_seconds = 0.0  # host time spent capturing, all graphs
         self.first_sight_seconds = 0.0  # host time spent launching first sights eagerly, all buckets
+        compile_watch.watch()
         # Callers keep up to two batches in flight and may launch a third before reading the
         # first: four pinned input buffers mean refilling one never waits on a running batch.
         self.staging = InputStaging(device, ring=4)
@@ -102,12 +106,14 @@ class GraphRunner:
             entry = self._capture(key, self.staging.send())
         if entry is None:
             self.seen.add(key)
-            started, cpu = time.perf_counter(), time.thread_time()
+            started, cpu, (compiled, loaded) = time.perf_counter(), time.thread_time(), compile_watch.counts()
             batch = self._views(self.staging.send(), key)
             output = self.forward(batch)[: host.num_seqs]
             took = time.perf_counter() - started
             self.first_sight_seconds += took
-            log.info(FIRST_SIGHT_LOG, key[0], key[1] - 1, key[2], took * 1e3, (time.thread_time() - cpu) * 1e3)
+            now_compiled, now_loaded = compile_watch.counts()  # NOTE: process-wide: another engine's compiles would count too
+            log.info(FIRST_SIGHT_LOG, key[0], key[1] - 1, key[2], took * 1e3, (time.thread_time() - cpu) * 1e3,
+                     now_compiled - compiled, now_loaded - loaded)
             return output
         self.staging.send(out=entry.static_input)
         entry.graph.replay()
