@@ -42,6 +42,7 @@ from geometries import make_model  # noqa: E402
 
 from florist import Engine  # noqa: E402
 from florist.engine.batch import HostBatch  # noqa: E402
+from florist.kernels import compile_watch  # noqa: E402
 
 CONDITIONS = ("alone", "after capture", "batch in flight", "waiter thread", "GIL contender")
 
@@ -50,11 +51,16 @@ def batch(rng: np.random.Generator, vocab: int, seqs: int, length: int) -> HostB
     return HostBatch.from_sequences([rng.integers(1000, vocab, size=length, dtype=np.int32) for _ in range(seqs)])
 
 
+COMPILED: list[int] = []  # Triton kernels compiled during each launch(), in order
+
+
 def launch(engine: Engine, host: HostBatch):
     """step() timed: wall and this thread's CPU time of the launch, in ms; and the result."""
-    wall, cpu = time.perf_counter(), time.thread_time()
+    before, wall, cpu = compile_watch.counts()[0], time.perf_counter(), time.thread_time()
     lazy = engine.step(host)
-    return (time.perf_counter() - wall) * 1e3, (time.thread_time() - cpu) * 1e3, lazy
+    result = (time.perf_counter() - wall) * 1e3, (time.thread_time() - cpu) * 1e3, lazy
+    COMPILED.append(compile_watch.counts()[0] - before)
+    return result
 
 
 def contender(stop: threading.Event) -> None:
@@ -118,11 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     hosts = {n: batch(rng, vocab, n, length) for n in counts}
     background = batch(rng, vocab, 20, max(8, length * 4 // 5))  # not among the shapes above
     captures = [batch(rng, vocab, 1, length + 64 * (k + 1)) for k in range(args.shapes)]  # single sequences, each its own bucket
+    compile_watch.watch()
     rows = []
     for n in counts:  # compiles what these shapes need, for both engines (one process)
         wall, cpu, lazy = launch(cold, hosts[n])
         lazy.numpy()
-        rows.append(("cold (compiling)", n, wall, cpu))
+        rows.append(("cold (compiling)", n, wall, cpu, COMPILED[-1]))
     for engine in engines:  # the background batch replays from a graph on both
         for _ in range(3):
             engine.step(background).numpy()
@@ -130,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(args.shapes):
             n = counts[c * args.shapes + k]
             wall, cpu = run(warm, condition, hosts[n], background, captures[k] if condition == "after capture" else None)
-            rows.append((condition, n, wall, cpu))
+            rows.append((condition, n, wall, cpu, COMPILED[-1]))
     print(f"\nfirst sights, {geometry}, sequences of {length} tokens, {torch.cuda.get_device_name()}; ms of step() (the launch)")
-    print(f"{'condition':<18}{'batch':>14}{'wall ms':>10}{'CPU ms':>10}")
-    for condition, n, wall, cpu in rows:
-        print(f"{condition:<18}{f'{n} x {length}':>14}{wall:>10.1f}{cpu:>10.1f}")
+    print(f"{'condition':<18}{'batch':>14}{'wall ms':>10}{'CPU ms':>10}{'compiled':>10}")
+    for condition, n, wall, cpu, compiled in rows:
+        print(f"{condition:<18}{f'{n} x {length}':>14}{wall:>10.1f}{cpu:>10.1f}{compiled:>10}")
     graphs = warm.runner.graphs.stats()
     print(f"second engine: {graphs['graphs']} graphs captured, first sights {graphs['first_sight_seconds'] * 1e3:.0f} ms in all")
     return 0
