@@ -14,8 +14,9 @@ scenarios' own inputs: embeddings by cosine (>= 0.999), scores by absolute diffe
 
 Infinity's /embeddings takes text only, so where a scenario sends token ids (1 and 3) Infinity
 gets texts of the same token counts instead, and tokenizes them itself; it is compared with
-florist on those texts. Its /rerank has no vLLM /v1/score shape and it cannot rerank with a causal
-LM (the Qwen3 reranker), so it sits out scenario 2. infinity-emb 0.0.78 needs transformers < 5 and
+florist on those texts. In scenario 2 it gets the same pairs on its /rerank (Cohere's shape) where
+the reranker is a sequence classifier (the ms-marco cross-encoder); it cannot rerank with a causal LM
+(the Qwen3 reranker), and sits that out. infinity-emb 0.0.78 needs transformers < 5 and
 sentence-transformers < 4, so it runs from its own environment:
 
     python bench/serve.py --infinity "env PYTHONPATH=/opt/infinity python3" --out r/
@@ -135,12 +136,15 @@ class Cell:
     warmup: int = 0      # untimed requests per client, first
     skipped: str = ""
     results: dict = field(default_factory=dict)  # server -> measurement
-    text_bodies: list[bytes] | None = None  # for servers that take text only: texts of the bodies' token counts
+    text_bodies: list[bytes] | None = None  # Infinity's: texts of the bodies' token counts; in scenario 2, /rerank bodies
     sits_out: dict = field(default_factory=dict)  # server -> why it does not run this cell
     failed: dict = field(default_factory=dict)  # server (baseline or Infinity) -> what went wrong in this cell
 
     def bodies_for(self, server: str) -> list[bytes]:
         return self.text_bodies if server == "infinity" and self.text_bodies is not None else self.bodies
+
+    def route_for(self, server: str) -> str:
+        return "/v1/rerank" if server == "infinity" and self.scenario == 2 else self.route
 
     @property
     def key(self) -> str:
@@ -201,6 +205,11 @@ def score_body(query: str, docs: list[str]) -> bytes:
     return json.dumps({"text_1": query, "text_2": docs}).encode()
 
 
+def rerank_body(query: str, docs: list[str]) -> bytes:
+    """Infinity's /rerank (Cohere's shape): the same pairs as score_body."""
+    return json.dumps({"query": query, "documents": docs}).encode()
+
+
 def plan_cells(scenarios: list[int], plan: Plan, n: int, model: dict, seed: int = 0, texts_too: bool = False) -> list[Cell]:
     """The cells of the scenarios this model serves, with their bodies and request counts.
 
@@ -228,10 +237,13 @@ def plan_cells(scenarios: list[int], plan: Plan, n: int, model: dict, seed: int 
             tokens = min(plan.s2_tokens, max_tokens)
             query = texts.words_text(8)
             docs = [texts.document(query, tokens) for _ in range(max(plan.s2_pairs))]
+            # Infinity reranks with sequence classifiers (cross-encoders), not with a causal LM read at its yes / no logits.
+            classifier = model.get("family") == "bert"
             for k in plan.s2_pairs:
-                bodies = [score_body(query, [docs[(r + j) % len(docs)] for j in range(k)]) for r in range(4)]
-                cells.append(Cell(2, f"{k} pairs of {tokens} tokens", "/v1/score", bodies, items=k, requests=max(5, n // 4), warmup=3,
-                                  sits_out={"infinity": "its /rerank is not vLLM's /v1/score, and it reranks with sequence classifiers only"}))
+                pairs = [(query, [docs[(r + j) % len(docs)] for j in range(k)]) for r in range(4)]
+                cells.append(Cell(2, f"{k} pairs of {tokens} tokens", "/v1/score", [score_body(*q) for q in pairs], items=k, requests=max(5, n // 4),
+                                  warmup=3, text_bodies=[rerank_body(*q) for q in pairs] if texts_too and classifier else None,
+                                  sits_out={} if classifier else {"infinity": "it reranks with sequence classifiers only, and this reranker is a causal LM"}))
         elif s == 3:
             for t in plan.s3_tokens:
                 batches = max(plan.s3_procs, math.ceil(n / 8 * plan.s3_tokens[0] / t))
@@ -325,7 +337,7 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
     baseline = Proc("baseline", [sys.executable, str(ROOT / "bench" / "baseline_server.py"), "--model", str(model["path"]), "--task", model["task"],
                                  "--device", args.device, "--port", "0", "--http", args.baseline_http, *dtype], env)
     servers = {"florist": florist, "baseline": baseline}
-    if args.infinity and model["task"] == "embed":
+    if args.infinity and (model["task"] == "embed" or model.get("family") == "bert"):  # embedders, and cross-encoders to rerank
         # NOTE: no telemetry, no hub: the machine reaches nothing outside.
         quiet = dict(env, INFINITY_ANONYMOUS_USAGE_STATS="0", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         quiet["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")  # its own packages come first through --infinity, florist's are not needed
@@ -428,10 +440,10 @@ def load_main(url: str, bodies: list[bytes], clients: int, per_client: int, warm
     conn.send(result)
 
 
-def measure(cell: Cell, url: str, deadline_s: float, bodies: list[bytes] | None = None) -> dict:
-    bodies = cell.bodies if bodies is None else bodies
+def measure(cell: Cell, url: str, deadline_s: float, server: str = "florist") -> dict:
+    bodies = cell.bodies_for(server)
     per_client = cell.requests // (cell.procs * cell.clients)
-    target = url + cell.route
+    target = url + cell.route_for(server)
     if cell.procs == 1:
         parts = [load_main(target, bodies, cell.clients, per_client, cell.warmup, deadline_s, None, None)]
     else:
@@ -473,13 +485,14 @@ async def check(cells: list[Cell], urls: dict[str, str], task: str, other: str =
     that server is sent), compared before any timing."""
     import aiohttp
 
-    bodies = [c.bodies_for(other)[0] for c in cells if c.bodies and other not in c.sits_out]
-    bodies = list(dict.fromkeys(bodies))  # scenario 4 repeats one body for every concurrency
+    used = [c for c in cells if c.bodies and other not in c.sits_out]
+    # (florist's body, the other's body, the other's route); scenario 4 repeats one body for every concurrency
+    sends = list(dict.fromkeys((c.bodies[0] if c.scenario == 2 else c.bodies_for(other)[0], c.bodies_for(other)[0], c.route_for(other)) for c in used))
     pair = ("florist", other)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        replies = {"florist": [await post(session, urls["florist"] + cells[0].route, b) for b in bodies]}
+        replies = {"florist": [await post(session, urls["florist"] + cells[0].route, mine) for mine, _, _ in sends]}
         try:
-            replies[other] = [await post(session, urls[other] + cells[0].route, b) for b in bodies]
+            replies[other] = [await post(session, urls[other] + route, theirs) for _, theirs, route in sends]
         except (RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise ServerFailed(f"{other} did not answer the check's requests: {type(e).__name__}: {e}") from e
     if task == "embed":
@@ -488,7 +501,8 @@ async def check(cells: list[Cell], urls: dict[str, str], task: str, other: str =
         cosine = float(((got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))).min()) if got.shape == want.shape else float("nan")
         ok = got.shape == want.shape and cosine >= 0.999
         return {"what": f"min cosine, florist vs {other}", "value": cosine, "bound": ">= 0.999", "rows": len(got), "ok": ok}
-    scores = lambda r: np.array([d["score"] for d in sorted(r["data"], key=lambda d: d["index"])])
+    scores = lambda r: np.array([d["score"] if "score" in d else d["relevance_score"]  # /v1/score, or Infinity's /rerank
+                                 for d in sorted(r["data"] if "data" in r else r["results"], key=lambda d: d["index"])])
     got, want = (np.concatenate([scores(r) for r in replies[s]]) for s in pair)
     diff = float(np.abs(got - want).max()) if got.shape == want.shape else float("nan")
     return {"what": f"max |score difference|, florist vs {other}", "value": diff, "bound": "<= 0.01", "rows": len(got), "ok": got.shape == want.shape and diff <= 0.01}
@@ -499,7 +513,8 @@ def describe_model(path: Path, source: str) -> dict:
     from florist.engine.model_dir import read_model_dir
 
     md = read_model_dir(path)
-    return {"path": path, "source": source, "task": md.pipeline.task, "max_tokens": md.pipeline.max_seq_length, "vocab_size": md.config.vocab_size}
+    return {"path": path, "source": source, "task": md.pipeline.task, "max_tokens": md.pipeline.max_seq_length, "vocab_size": md.config.vocab_size,
+            "family": md.config.family}
 
 
 def prepare_models(args, tmp: Path, tasks: set[str]) -> dict[str, dict]:
@@ -719,7 +734,7 @@ def time_cell(cell: Cell, server: str, proc: Proc, cell_seconds: float, task: st
         print(f"  {cell.key:<58} {server:<9} {cell.failed[server]}", flush=True)
         return
     try:
-        r = cell.results[server] = measure(cell, proc.url, cell_seconds, cell.bodies_for(server))
+        r = cell.results[server] = measure(cell, proc.url, cell_seconds, server)
     except RuntimeError as e:
         if server == "florist":
             raise
@@ -813,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
             if task not in models:
                 continue
             model = models[task]
-            cells = plan_cells(scenarios, plan, args.requests, model, texts_too=bool(args.infinity) and task == "embed")
+            cells = plan_cells(scenarios, plan, args.requests, model, texts_too=bool(args.infinity))
             meta["models"][task] = {k: str(v) for k, v in model.items()}
             all_cells += cells
             if all(c.skipped for c in cells):

@@ -200,3 +200,16 @@ def test_infinity_failing_the_check_is_not_timed(tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert len(rows) == 3 and all(r["florist"]["n"] == 3 and r["baseline"]["n"] == 3 and "infinity" not in r for r in rows)
     assert all(r["failed"]["infinity"].startswith("not timed: infinity did not answer") for r in rows)
+
+
+def test_infinity_reranks_with_a_cross_encoder(tmp_path):
+    """Scenario 2 with a sequence-classifier reranker: Infinity (the stand-in) gets the same
+    pairs as /rerank bodies, is checked against florist's /v1/score and timed."""
+    stand_in = ROOT / "tests" / "stand_ins"
+    stdout = run_serve_bench("--geometry", "tiny-cross-encoder", "--scenarios", "2", "--requests", "3", "--out", str(tmp_path),
+                             "--infinity", f"env PYTHONPATH={stand_in} {sys.executable}")
+    diff = re.search(r"check: max \|score difference\|, florist vs infinity over (\d+) rows: ([0-9.]+)", stdout)
+    assert diff and int(diff.group(1)) == 5 + 25 + 50 and float(diff.group(2)) <= 1e-4, stdout
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == 3 and all(r["infinity"]["n"] == r["infinity"]["planned"] > 0 for r in rows)
+    assert "sat out" not in stdout

@@ -1,7 +1,8 @@
 """A stand-in for infinity-emb's command line, for tests of bench/serve.py's Infinity path where
 infinity-emb is not installed (it needs transformers < 5): the `v2` arguments the bench passes,
-Infinity's start-up line, /health at the root, and POST {--url-prefix}/embeddings taking text only
-(token ids are refused with 422, as Infinity's request model refuses them), answered by
+Infinity's start-up line, /health at the root, POST {--url-prefix}/embeddings taking text only
+(token ids are refused with 422, as Infinity's request model refuses them) for an embedding
+model, and POST {--url-prefix}/rerank (Cohere's shape) for a sequence classifier, answered by
 bench/baseline_server.py's sentence-transformers handlers. With STAND_IN_EXIT_AFTER=N in its
 environment the process dies on its (N + 1)-th embedding request, as a server that crashes does.
 
@@ -11,6 +12,7 @@ environment the process dies on its (N + 1)-th embedding request, as a server th
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from pathlib import Path
@@ -39,8 +41,10 @@ def main() -> int:
     from aiohttp import web
 
     device = f"{args.device}:{args.device_id}" if args.device_id else args.device
-    model = baseline_server.load_model(args.model_id, "embed", device, DTYPES[args.dtype])
-    handlers = baseline_server.Handlers(model, "embed", Path(args.model_id).name)
+    architectures = json.loads((Path(args.model_id) / "config.json").read_text()).get("architectures") or [""]
+    task = "score" if architectures[0].endswith("ForSequenceClassification") else "embed"  # as Infinity tells a reranker
+    model = baseline_server.load_model(args.model_id, task, device, DTYPES[args.dtype])
+    handlers = baseline_server.Handlers(model, task, Path(args.model_id).name)
 
     served = [0]
 
@@ -56,8 +60,14 @@ def main() -> int:
         result = await asyncio.get_running_loop().run_in_executor(None, handlers.embeddings, texts, body.get("encoding_format", "float"))
         return web.json_response(result)
 
+    async def rerank(request: web.Request) -> web.Response:
+        body = await request.json()
+        served[0] += 1
+        scored = await asyncio.get_running_loop().run_in_executor(None, handlers.score, body["query"], body["documents"])
+        return web.json_response({"object": "rerank", "results": [{"relevance_score": d["score"], "index": d["index"]} for d in scored["data"]]})
+
     app = web.Application(client_max_size=1 << 30)
-    app.router.add_post(f"{args.url_prefix}/embeddings", embeddings)
+    app.router.add_post(f"{args.url_prefix}/{'rerank' if task == 'score' else 'embeddings'}", rerank if task == "score" else embeddings)
     app.router.add_get("/health", lambda request: web.json_response({"unix": 0.0}))
     print(f"INFO:     Uvicorn running on http://{args.host}:{args.port} (Press CTRL+C to quit)", flush=True)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
