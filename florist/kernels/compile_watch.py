@@ -18,11 +18,12 @@ _watching = False
 
 
 def _counter(previous):
-    def listen(*, cache_hit: bool, **kwargs) -> None:
+    # NOTE: it runs inside Triton's compile(): whatever Triton passes, it must not raise.
+    def listen(**kwargs) -> None:
         with _lock:
-            _counts["loaded" if cache_hit else "compiled"] += 1
+            _counts["loaded" if kwargs.get("cache_hit") else "compiled"] += 1
         if previous is not None:
-            previous(cache_hit=cache_hit, **kwargs)
+            previous(**kwargs)
 
     return listen
 
