@@ -839,6 +839,10 @@ def main(argv: list[str] | None = None) -> int:
                 urls = {s: servers[s].url for s in running}
                 meta["servers"][task] = {s: servers[s].banner for s in running}
                 print(f"{task} model {model['path'].name}:" + "".join(f"\n  {servers[s].banner}" for s in running), flush=True)
+                warmed = [line.strip() for line in servers["florist"].lines if "warmed up" in line]  # florist's start-up warm-up, if it ran
+                if warmed:
+                    meta["servers"][task]["florist warm-up"] = warmed
+                    print("  " + "\n  ".join(warmed), flush=True)
                 running = check_servers(cells, urls, task, running, meta)
                 for cell in cells:
                     if cell.skipped:

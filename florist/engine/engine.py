@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -60,6 +61,34 @@ def _output_dim(md: ModelDir) -> int:
     if p.dense:
         return p.dense[-1].out_features
     return md.config.hidden_size * len(p.pooling)
+
+
+def warm_up_shapes(max_tokens: int, max_seqlen: int, max_seqs: int = 256) -> list[list[int]]:
+    """The batches Engine.warm_up runs, as lists of sequence lengths.
+
+    - Token counts: at 64 tokens, doubling up to max_tokens (and max_tokens itself), one
+      sequence (where the model takes it) and eight of unequal lengths. One sequence and many
+      reach different attention paths, and the matrix products pick their kernels by row count.
+    - Sequence counts: 1, 2, 4, ... up to max_seqs (and max_seqs itself) sequences of 16 tokens,
+      one batch for each graph bucket of sequences (the next power of two above the count). A
+      model whose head reads only each sequence's last token runs its final layer on one row
+      per sequence, and those products choose kernels, and Triton specialises them, by that
+      row count (skinny_gemm: a fused norm up to 4 rows, a row count divisible by 16 or not).
+    """
+    counts = sorted({t for t in (64 << k for k in range(20)) if t < max_tokens} | {max_tokens})
+    shapes = []
+    for t in counts:
+        if t <= max_seqlen:
+            shapes.append([t])
+        if t >= 16:
+            part = t // 8
+            lengths = [min(max_seqlen, part + (part // 2 if i % 2 else -(part // 2))) for i in range(8)]  # 1.5x / 0.5x, ragged
+            shapes.append([max(1, n) for n in lengths])
+    length = min(16, max_seqlen)
+    for k in sorted({1 << j for j in range(20) if 1 << j < max_seqs} | {max_seqs}):
+        if k * length <= max_tokens and [length] * k not in shapes:
+            shapes.append([length] * k)
+    return shapes
 
 
 class Engine:
@@ -138,6 +167,25 @@ class Engine:
         self._require("score")
         ids, first = self.text.encode_pairs(query, _as_list(documents), truncate=truncate, instruction=instruction)
         return finalize_scores(self.run(ids, first), self.info.score_activation, raw=raw)
+
+    def warm_up(self, max_tokens: int | None = None, max_seqs: int = 256) -> dict:
+        """Run a few batch shapes before serving, so that their kernels are compiled (Triton) and
+        planned (cuBLAS, cuDNN) at start-up rather than while a request waits: on the H200 a new
+        shape met while serving held its batch for 0.75-1.1 s (docs/benchmarks.md). The shapes,
+        `warm_up_shapes`, span the token counts a batch can have (up to max_tokens, default the
+        engine's max_batch_tokens), one sequence and several at each, and the sequence counts up
+        to max_seqs. A shape run here counts as the first sight of its graph bucket, so that
+        bucket captures when traffic first brings it. Returns what ran and how long it took."""
+        started = time.perf_counter()
+        shapes = warm_up_shapes(max_tokens or self.max_batch_tokens, min(self.info.max_input_tokens, self.model_dir.config.max_position_embeddings),
+                                max_seqs)
+        for lengths in shapes:
+            rng = np.random.default_rng(len(lengths) * 100_003 + sum(lengths))
+            seqs = [rng.integers(0, self.info.vocab_size, size=n, dtype=np.int32) for n in lengths]
+            first = [max(1, n // 2) for n in lengths] if self.info.task == "score" else None
+            self.step(HostBatch.from_sequences(seqs, first)).numpy()
+        return {"shapes": len(shapes), "max_tokens": max(sum(x) for x in shapes), "max_seqs": max(len(x) for x in shapes),
+                "seconds": time.perf_counter() - started}
 
     def step(self, batch: HostBatch) -> LazyTensor:
         """Launch one batch and return at once; the output stays on its way to the host."""

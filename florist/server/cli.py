@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also serve Embed / Score / Generate on this Unix socket, which clients on this host (the gateway) find through Info and "
                         "use instead of gRPC, for less latency per request (default auto: a path in $XDG_RUNTIME_DIR or the temp "
                         "directory, printed at start; off: gRPC only)")
+    p.add_argument("--warm-up", action="store_true",
+                   help="on a GPU, run the batch shapes a server meets before serving (one sequence of 64 tokens up to --max-batch-tokens, "
+                        "eight at each of those sizes, and 1 up to --max-batch-seqs short sequences), so that kernels compile then and not "
+                        "while a request of a new shape waits (default: off; what it saves is not measured yet)")
     p.add_argument("--timing-metadata", action="store_true",
                    help="reply with trailing metadata x-florist-timing: the handler's entry and exit (time.monotonic_ns), for latency breakdowns")
 
@@ -67,8 +71,13 @@ def run(args: argparse.Namespace) -> int:
                          f"CUDA_VISIBLE_DEVICES and --device cuda, not --device {args.device}")
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task, tensor_parallel_size=tp if tp > 1 else None)
     if engine.info.task in ("embed", "score"):
-        # Warm up (device context, kernels, allocator) so the first request does not pay for it.
-        engine.step(HostBatch.from_sequences([[0] * 8], [4] if engine.info.task == "score" else None)).numpy()
+        if args.warm_up and engine.info.device.startswith("cuda"):
+            # Kernels compile and plan at start-up, not while a request of a new shape waits.
+            done = engine.warm_up(args.max_batch_tokens or engine.graph_max_tokens or 16384, args.max_batch_seqs)
+            logging.getLogger("florist.server").info("warmed up %d batch shapes up to %d tokens and %d sequences in %.1f s",
+                                                     done["shapes"], done["max_tokens"], done["max_seqs"], done["seconds"])
+        else:  # the device context and the allocator, so the first request does not pay for them
+            engine.step(HostBatch.from_sequences([[0] * 8], [4] if engine.info.task == "score" else None)).numpy()
     config = ServerConfig(
         host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,
         max_pending_tokens=args.max_pending_tokens, metrics_port=args.metrics_port, spin_ms=args.spin_ms,
