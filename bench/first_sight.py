@@ -51,16 +51,11 @@ def batch(rng: np.random.Generator, vocab: int, seqs: int, length: int) -> HostB
     return HostBatch.from_sequences([rng.integers(1000, vocab, size=length, dtype=np.int32) for _ in range(seqs)])
 
 
-COMPILED: list[int] = []  # Triton kernels compiled during each launch(), in order
-
-
 def launch(engine: Engine, host: HostBatch):
-    """step() timed: wall and this thread's CPU time of the launch, in ms; and the result."""
+    """step() timed: (wall ms, this thread's CPU ms, Triton kernels compiled) of the launch, and the result."""
     before, wall, cpu = compile_watch.counts()[0], time.perf_counter(), time.thread_time()
     lazy = engine.step(host)
-    result = (time.perf_counter() - wall) * 1e3, (time.thread_time() - cpu) * 1e3, lazy
-    COMPILED.append(compile_watch.counts()[0] - before)
-    return result
+    return ((time.perf_counter() - wall) * 1e3, (time.thread_time() - cpu) * 1e3, compile_watch.counts()[0] - before), lazy
 
 
 def contender(stop: threading.Event) -> None:
@@ -68,35 +63,35 @@ def contender(stop: threading.Event) -> None:
         sum(range(1000))  # pure Python: holds the GIL until the interpreter makes it switch
 
 
-def run(engine: Engine, condition: str, host: HostBatch, background: HostBatch, capture_with: HostBatch | None) -> tuple[float, float]:
+def run(engine: Engine, condition: str, host: HostBatch, background: HostBatch, capture_with: HostBatch | None) -> tuple[float, float, int]:
     if condition == "after capture":
         engine.step(capture_with).numpy()  # its first sight; the next call captures
         engine.step(capture_with).numpy()
     if condition in ("alone", "after capture"):
-        wall, cpu, lazy = launch(engine, host)
+        timed, lazy = launch(engine, host)
         lazy.numpy()
-        return wall, cpu
+        return timed
     if condition == "GIL contender":
         stop = threading.Event()
         thread = threading.Thread(target=contender, args=(stop,), daemon=True)
         thread.start()
         time.sleep(0.01)
-        wall, cpu, lazy = launch(engine, host)
+        timed, lazy = launch(engine, host)
         stop.set()
         thread.join()
         lazy.numpy()
-        return wall, cpu
+        return timed
     behind = engine.step(background)  # a replay: the device is busy while the first sight launches
     waiter = None
     if condition == "waiter thread":
         waiter = threading.Thread(target=behind.numpy, daemon=True)
         waiter.start()
-    wall, cpu, lazy = launch(engine, host)
+    timed, lazy = launch(engine, host)
     if waiter is not None:
         waiter.join()
     behind.numpy()
     lazy.numpy()
-    return wall, cpu
+    return timed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,17 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     compile_watch.watch()
     rows = []
     for n in counts:  # compiles what these shapes need, for both engines (one process)
-        wall, cpu, lazy = launch(cold, hosts[n])
+        timed, lazy = launch(cold, hosts[n])
         lazy.numpy()
-        rows.append(("cold (compiling)", n, wall, cpu, COMPILED[-1]))
+        rows.append(("cold (compiling)", n, *timed))
     for engine in engines:  # the background batch replays from a graph on both
         for _ in range(3):
             engine.step(background).numpy()
     for c, condition in enumerate(CONDITIONS):
         for k in range(args.shapes):
             n = counts[c * args.shapes + k]
-            wall, cpu = run(warm, condition, hosts[n], background, captures[k] if condition == "after capture" else None)
-            rows.append((condition, n, wall, cpu, COMPILED[-1]))
+            rows.append((condition, n, *run(warm, condition, hosts[n], background, captures[k] if condition == "after capture" else None)))
     print(f"\nfirst sights, {geometry}, sequences of {length} tokens, {torch.cuda.get_device_name()}; ms of step() (the launch)")
     print(f"{'condition':<18}{'batch':>14}{'wall ms':>10}{'CPU ms':>10}{'compiled':>10}")
     for condition, n, wall, cpu, compiled in rows:

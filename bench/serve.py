@@ -136,12 +136,12 @@ class Cell:
     warmup: int = 0      # untimed requests per client, first
     skipped: str = ""
     results: dict = field(default_factory=dict)  # server -> measurement
-    text_bodies: list[bytes] | None = None  # Infinity's: texts of the bodies' token counts; in scenario 2, /rerank bodies
+    infinity_bodies: list[bytes] | None = None  # where Infinity's differ: texts of the bodies' token counts; in scenario 2, /rerank bodies
     sits_out: dict = field(default_factory=dict)  # server -> why it does not run this cell
     failed: dict = field(default_factory=dict)  # server (baseline or Infinity) -> what went wrong in this cell
 
     def bodies_for(self, server: str) -> list[bytes]:
-        return self.text_bodies if server == "infinity" and self.text_bodies is not None else self.bodies
+        return self.infinity_bodies if server == "infinity" and self.infinity_bodies is not None else self.bodies
 
     def route_for(self, server: str) -> str:
         return "/v1/rerank" if server == "infinity" and self.scenario == 2 else self.route
@@ -210,13 +210,14 @@ def rerank_body(query: str, docs: list[str]) -> bytes:
     return json.dumps({"query": query, "documents": docs}).encode()
 
 
-def plan_cells(scenarios: list[int], plan: Plan, n: int, model: dict, seed: int = 0, texts_too: bool = False) -> list[Cell]:
+def plan_cells(scenarios: list[int], plan: Plan, n: int, model: dict, seed: int = 0, for_infinity: bool = False) -> list[Cell]:
     """The cells of the scenarios this model serves, with their bodies and request counts.
 
     n (--requests) is the timed request count of scenarios 1 and 4 per cell; scenario 2 takes
     n / 4; scenario 3 takes n / 8 batches at its shortest length and proportionally fewer at
     longer ones (at least one per client process), so each cell costs about the same.
-    texts_too: also texts of the same token counts where the bodies hold ids (for Infinity).
+    for_infinity: also Infinity's bodies where they differ (texts of the same token counts where
+    the bodies hold ids; /rerank bodies for a cross-encoder).
     """
     texts = Texts(model["path"], seed)
     rng = np.random.default_rng(seed)
@@ -232,7 +233,7 @@ def plan_cells(scenarios: list[int], plan: Plan, n: int, model: dict, seed: int 
             for t in plan.s1_tokens:
                 cells.append(Cell(1, f"{t} tokens", "/v1/embeddings", [] if t > max_tokens else [embed_body(ids(1, t)) for _ in range(8)],
                                   items=1, requests=n, warmup=max(3, n // 10), skipped=too_long if t > max_tokens else "",
-                                  text_bodies=[embed_body([texts.text(t)]) for _ in range(8)] if texts_too and t <= max_tokens else None))
+                                  infinity_bodies=[embed_body([texts.text(t)]) for _ in range(8)] if for_infinity and t <= max_tokens else None))
         elif s == 2:
             tokens = min(plan.s2_tokens, max_tokens)
             query = texts.words_text(8)
@@ -242,19 +243,19 @@ def plan_cells(scenarios: list[int], plan: Plan, n: int, model: dict, seed: int 
             for k in plan.s2_pairs:
                 pairs = [(query, [docs[(r + j) % len(docs)] for j in range(k)]) for r in range(4)]
                 cells.append(Cell(2, f"{k} pairs of {tokens} tokens", "/v1/score", [score_body(*q) for q in pairs], items=k, requests=max(5, n // 4),
-                                  warmup=3, text_bodies=[rerank_body(*q) for q in pairs] if texts_too and classifier else None,
+                                  warmup=3, infinity_bodies=[rerank_body(*q) for q in pairs] if for_infinity and classifier else None,
                                   sits_out={} if classifier else {"infinity": "it reranks with sequence classifiers only, and this reranker is a causal LM"}))
         elif s == 3:
             for t in plan.s3_tokens:
                 batches = max(plan.s3_procs, math.ceil(n / 8 * plan.s3_tokens[0] / t))
                 per_client = math.ceil(batches / plan.s3_procs)
                 bodies = [] if t > max_tokens else [embed_body(ids(plan.s3_batch, t)) for _ in range(2)]
-                text_bodies = None
-                if texts_too and t <= max_tokens:
+                infinity_bodies = None
+                if for_infinity and t <= max_tokens:
                     batch = [texts.text(t) for _ in range(plan.s3_batch)]
-                    text_bodies = [embed_body(batch), embed_body(batch[1:] + batch[:1])]
+                    infinity_bodies = [embed_body(batch), embed_body(batch[1:] + batch[:1])]
                 cells.append(Cell(3, f"{plan.s3_batch} x {t} tokens", "/v1/embeddings", bodies, items=plan.s3_batch, procs=plan.s3_procs,
-                                  requests=per_client * plan.s3_procs, warmup=1, skipped=too_long if t > max_tokens else "", text_bodies=text_bodies))
+                                  requests=per_client * plan.s3_procs, warmup=1, skipped=too_long if t > max_tokens else "", infinity_bodies=infinity_bodies))
         elif s == 4:
             tokens = min(plan.s4_tokens, max_tokens)
             bodies = [embed_body(texts.text(tokens)) for _ in range(16)]
@@ -360,15 +361,20 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
 
 
 CAPTURED = re.compile(r"captured a CUDA graph .* in ([\d.]+) ms")
-FIRST_SIGHT = re.compile(r"ran a first-sight batch eagerly .*: launched in ([\d.]+) ms")
-FIRST_SIGHT_CPU = re.compile(r"ran a first-sight batch eagerly .*: launched in [\d.]+ ms \(([\d.]+) ms of this thread's CPU")
-FIRST_SIGHT_COMPILED = re.compile(r"ran a first-sight batch eagerly .*Triton kernels compiled (\d+)")
+FIRST_SIGHT = re.compile(r"ran a first-sight batch eagerly .*: launched in ([\d.]+) ms \(([\d.]+) ms of this thread's CPU; "
+                         r"Triton kernels compiled (\d+)")
 
 
-def captures(lines: list[str], pattern: re.Pattern = CAPTURED) -> list[float]:
-    """The capture times (ms) in a florist server's log lines (florist/engine/graph_runner.py);
-    with FIRST_SIGHT, the host times of its eager first sights of a bucket."""
-    return [float(m.group(1)) for line in lines if (m := pattern.search(line))]
+def captures(lines: list[str]) -> list[float]:
+    """The capture times (ms) in a florist server's log lines (florist/engine/graph_runner.py)."""
+    return [float(m.group(1)) for line in lines if (m := CAPTURED.search(line))]
+
+
+def first_sights(lines: list[str]) -> tuple[list[float], list[float], list[int]]:
+    """The eager first sights of a bucket in a florist server's log lines: their launch times
+    (ms), the launching thread's CPU time (ms) and the Triton kernels compiled during each."""
+    found = [(float(m.group(1)), float(m.group(2)), int(m.group(3))) for line in lines if (m := FIRST_SIGHT.search(line))]
+    return tuple(list(column) for column in zip(*found)) if found else ([], [], [])
 
 
 def wait_health(server: Proc, timeout_s: float) -> None:
@@ -751,16 +757,13 @@ def time_cell(cell: Cell, server: str, proc: Proc, cell_seconds: float, task: st
     if server == "florist":  # what the engine logged meanwhile (warm-up included): captures and first sights stall their batch
         lines = proc.lines[logged:]
         r["graphs_captured"] = captures(lines)
-        r["first_sights"], r["first_sights_cpu"] = captures(lines, FIRST_SIGHT), captures(lines, FIRST_SIGHT_CPU)  # same order
-        r["first_sights_compiled"] = [int(n) for n in captures(lines, FIRST_SIGHT_COMPILED)]
+        r["first_sights"], r["first_sights_cpu"], r["first_sights_compiled"] = first_sights(lines)
         if r["graphs_captured"]:
             notes.append(f"{len(r['graphs_captured'])} graphs captured ({sum(r['graphs_captured']):.0f} ms)")
         if r["first_sights"]:
             slowest = max(range(len(r["first_sights"])), key=r["first_sights"].__getitem__)
-            cpu = f", {r['first_sights_cpu'][slowest]:.0f} ms of it on the CPU" if len(r["first_sights_cpu"]) == len(r["first_sights"]) else ""
-            if len(r["first_sights_compiled"]) == len(r["first_sights"]):
-                cpu += f", {r['first_sights_compiled'][slowest]} kernels compiled"
-            notes.append(f"{len(r['first_sights'])} first sights (slowest launch {r['first_sights'][slowest]:.0f} ms{cpu})")
+            notes.append(f"{len(r['first_sights'])} first sights (slowest launch {r['first_sights'][slowest]:.0f} ms, "
+                         f"{r['first_sights_cpu'][slowest]:.0f} ms of it on the CPU, {r['first_sights_compiled'][slowest]} kernels compiled)")
     print(f"  {cell.key:<58} {server:<9} n {r['n']:>4}  p50 {r['p50']:9.2f} ms  p99 {r['p99']:9.2f} ms  "
           f"{r['items_per_s']:9.1f} {'emb' if task == 'embed' else 'pairs'}/s  ({time.perf_counter() - t:.1f} s)"
           + "".join("  " + n for n in notes), flush=True)
@@ -830,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
             if task not in models:
                 continue
             model = models[task]
-            cells = plan_cells(scenarios, plan, args.requests, model, texts_too=bool(args.infinity))
+            cells = plan_cells(scenarios, plan, args.requests, model, for_infinity=bool(args.infinity))
             meta["models"][task] = {k: str(v) for k, v in model.items()}
             all_cells += cells
             if all(c.skipped for c in cells):

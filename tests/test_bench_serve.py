@@ -110,9 +110,10 @@ def test_capture_times_are_read_from_the_engine_log():
     from florist.engine.graph_runner import FIRST_SIGHT_LOG
 
     first = FIRST_SIGHT_LOG % (512, 3, 256, 812.5, 30.25, 7, 2)
-    assert serve.captures(lines + ["x: " + first], serve.FIRST_SIGHT) == [812.5]
-    assert serve.captures(lines + ["x: " + first], serve.FIRST_SIGHT_CPU) == [30.2]
-    assert serve.captures(lines + ["x: " + first], serve.FIRST_SIGHT_COMPILED) == [7.0]
+    launched, cpu, compiled = serve.first_sights(lines + ["x: " + first])
+    assert launched == [812.5]
+    assert cpu == [30.2]
+    assert compiled == [7]
     assert serve.captures([first]) == []
 
 
@@ -154,21 +155,21 @@ def test_infinity_is_sent_texts_of_the_same_token_counts(tmp_path):
 
     path = make_model(tmp_path / "tiny-qwen3", "tiny-qwen3", variant="embed", dtype=torch.float32)
     model = serve.describe_model(path, "test")
-    cells = serve.plan_cells([1, 3, 4], serve.SMOKE_PLAN, 4, model, texts_too=True)
+    cells = serve.plan_cells([1, 3, 4], serve.SMOKE_PLAN, 4, model, for_infinity=True)
     texts = serve.Texts(path, 0)
     checked = 0
     for c in cells:
         if c.scenario == 4:
-            assert c.text_bodies is None and c.bodies_for("infinity") is c.bodies  # already text
+            assert c.infinity_bodies is None and c.bodies_for("infinity") is c.bodies  # already text
             continue
-        assert len(c.text_bodies) == len(c.bodies)
-        for ids_body, text_body in zip(c.bodies, c.text_bodies):
+        assert len(c.infinity_bodies) == len(c.bodies)
+        for ids_body, text_body in zip(c.bodies, c.infinity_bodies):
             ids, words = json.loads(ids_body)["input"], json.loads(text_body)["input"]
             assert all(isinstance(w, str) for w in words)
             assert [len(texts.tok.encode(w).ids) for w in words] == [len(i) for i in ids]
             checked += len(words)
     assert checked == 3 * 8 + 3 * 2 * 10
-    assert all(c.text_bodies is None for c in serve.plan_cells([1, 3], serve.SMOKE_PLAN, 4, model))
+    assert all(c.infinity_bodies is None for c in serve.plan_cells([1, 3], serve.SMOKE_PLAN, 4, model))
 
 
 def test_a_server_that_dies_is_reported_and_the_run_goes_on(tmp_path):

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from florist import Engine
     from florist.engine.batch import HostBatch
     from florist.server.config import ServerConfig
+    from florist.server.service import batch_token_budget
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tp = args.tensor_parallel_size
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if engine.info.task in ("embed", "score"):
         if args.warm_up and engine.info.device.startswith("cuda"):
             # Kernels compile and plan at start-up, not while a request of a new shape waits.
-            done = engine.warm_up(args.max_batch_tokens or engine.graph_max_tokens or 16384, args.max_batch_seqs)
+            done = engine.warm_up(batch_token_budget(engine, args.max_batch_tokens), args.max_batch_seqs)
             logging.getLogger("florist.server").info("warmed up %d batch shapes up to %d tokens and %d sequences in %.1f s",
                                                      done["shapes"], done["max_tokens"], done["max_seqs"], done["seconds"])
         else:  # the device context and the allocator, so the first request does not pay for them

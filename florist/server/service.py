@@ -235,10 +235,15 @@ def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def batch_token_budget(engine, max_batch_tokens: int | None) -> int:
+    """A batch's token budget: the one given, else the largest batch the engine replays from a
+    CUDA graph, else 16384."""
+    return max_batch_tokens or getattr(engine, "graph_max_tokens", None) or 16384
+
+
 async def start_server(engine, config: ServerConfig = ServerConfig()) -> RunningServer:
     """Start serving `engine` on the running event loop."""
-    if config.max_batch_tokens is None:
-        config = replace(config, max_batch_tokens=getattr(engine, "graph_max_tokens", None) or 16384)
+    config = replace(config, max_batch_tokens=batch_token_budget(engine, config.max_batch_tokens))
     metrics = make_metrics()
     scheduler = Scheduler(config.max_batch_tokens, config.max_batch_seqs, config.max_pending_tokens)
     batcher = Batcher(engine, scheduler, metrics, max_in_flight=config.max_in_flight, launch=config.launch, spin_s=config.spin_ms / 1e3)
