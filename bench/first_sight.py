@@ -48,7 +48,7 @@ CONDITIONS = ("alone", "after capture", "batch in flight", "waiter thread", "GIL
 
 
 def batch(rng: np.random.Generator, vocab: int, seqs: int, length: int) -> HostBatch:
-    return HostBatch.from_sequences([rng.integers(1000, vocab, size=length, dtype=np.int32) for _ in range(seqs)])
+    return HostBatch.from_sequences([rng.integers(0, vocab, size=length, dtype=np.int32) for _ in range(seqs)])
 
 
 def launch(engine: Engine, host: HostBatch):

@@ -335,7 +335,7 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
     florist = Proc("florist", [sys.executable, "-m", "florist.cli", "serve", "--port", "0", "--model", str(model["path"]),
                                "--device", args.device, "--workers", str(args.workers), *dtype, *(["--busy-poll"] if args.busy_poll else []),
                                *(["--gateway-busy-poll"] if args.gateway_busy_poll else []), *(["--no-local-socket"] if args.no_local_socket else []),
-                               *(["--warm-up"] if args.warm_up else [])], env)
+                               *([] if args.warm_up else ["--no-warm-up"])], env)
     baseline = Proc("baseline", [sys.executable, str(ROOT / "bench" / "baseline_server.py"), "--model", str(model["path"]), "--task", model["task"],
                                  "--device", args.device, "--port", "0", "--http", args.baseline_http, *dtype], env)
     servers = {"florist": florist, "baseline": baseline}
@@ -784,7 +784,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--busy-poll", action="store_true", help="run `florist serve --busy-poll`: the engine servers' event loops never sleep while idle")
     p.add_argument("--gateway-busy-poll", action="store_true", help="run `florist serve --gateway-busy-poll`: the gateway's loop turns while idle and polls for lone replies")
     p.add_argument("--no-local-socket", action="store_true", help="run `florist serve --no-local-socket`: gateway to engine over gRPC only")
-    p.add_argument("--warm-up", action="store_true", help="run `florist serve --warm-up`: GPU engines run the shapes they will meet before serving")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                   help="florist serve's start-up warm-up (its default): GPU engines run the shapes they will meet before serving; "
+                        "--no-warm-up passes `florist serve --no-warm-up`")
     p.add_argument("--infinity", default=None, metavar="COMMAND",
                    help="also run Infinity (infinity-emb) for the embedding scenarios: the command that starts a Python which imports "
                         "infinity_emb, e.g. \"env PYTHONPATH=/opt/infinity python3\" (infinity-emb needs transformers < 5, so usually an environment of its own)")

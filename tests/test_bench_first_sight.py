@@ -35,3 +35,13 @@ def test_every_condition_times_its_first_sights():
             assert int(rows[0][2]) > 0, out.stdout
     graphs = re.search(r"second engine: (\d+) graphs captured", out.stdout)
     assert graphs and int(graphs.group(1)) == 1 + 2  # the background batch and the two capture shapes
+
+
+def test_batches_stay_inside_a_small_vocabulary():
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import first_sight
+
+    host = first_sight.batch(np.random.default_rng(0), 1000, 3, 64)  # the smoke model's vocabulary: 1000 ids
+    assert host.num_seqs == 3 and int(host.input_ids.max()) < 1000 and int(host.input_ids.min()) >= 0

@@ -385,8 +385,8 @@ def test_serve_passes_engine_options_to_its_engine_servers(monkeypatch):
     assert main(["serve", "--model", "/m"]) == 0 and "--task" not in seen["engine_args"]
     assert main(["serve", "--model", "/lm", "--tensor-parallel-size", "2"]) == 0  # placement and the engines' own flag
     assert seen["tensor_parallel"] == 2 and seen["engine_args"][seen["engine_args"].index("--tensor-parallel-size") + 1] == "2"
-    assert "--warm-up" not in seen["engine_args"]
-    assert main(["serve", "--model", "/m", "--warm-up"]) == 0 and "--warm-up" in seen["engine_args"]
+    assert "--no-warm-up" not in seen["engine_args"]  # the engine server's default: warm up
+    assert main(["serve", "--model", "/m", "--no-warm-up"]) == 0 and "--no-warm-up" in seen["engine_args"]
 
 
 def test_serve_shares_the_cpus_between_the_workers_tokenizer_threads(monkeypatch):

@@ -61,12 +61,34 @@ def test_warm_up_runs_every_shape_and_leaves_the_engine_as_it_was(tmp_path, geom
     np.testing.assert_allclose(after, before, atol=1e-6)
 
 
-def test_engine_server_warms_up_only_when_asked():
+def test_engine_server_warms_up_by_default_and_only_on_a_gpu():
     import argparse
+    from types import SimpleNamespace
 
-    from florist.server.cli import add_arguments
+    from florist.server.cli import add_arguments, prepare
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    assert p.parse_args([]).warm_up is False
-    assert p.parse_args(["--warm-up"]).warm_up is True
+    assert p.parse_args([]).warm_up is True
+    assert p.parse_args(["--no-warm-up"]).warm_up is False
+
+    class Fake:
+        def __init__(self, device, task="embed"):
+            self.info, self.max_batch_tokens, self.calls = SimpleNamespace(device=device, task=task), 4096, []
+
+        def warm_up(self, max_tokens, max_seqs):
+            self.calls.append(("warm_up", max_tokens, max_seqs))
+            return {"shapes": 1, "max_tokens": max_tokens, "max_seqs": max_seqs, "seconds": 0.0}
+
+        def step(self, batch):
+            self.calls.append(("step", batch.num_seqs))
+            return SimpleNamespace(numpy=lambda: None)
+
+    for device, argv, expected in (("cuda:0", [], [("warm_up", 1000, 256)]), ("cuda:0", ["--no-warm-up"], [("step", 1)]),
+                                   ("cpu", [], [("step", 1)])):
+        engine = Fake(device)
+        prepare(engine, p.parse_args(["--max-batch-tokens", "1000", *argv]))
+        assert engine.calls == expected, (device, argv)
+    lm = Fake("cuda:0", task="generate")
+    prepare(lm, p.parse_args([]))
+    assert lm.calls == []

@@ -44,9 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-local-socket", action="store_true",
                    help="gateway and engines talk gRPC only (by default an engine on this host also serves Embed / Score / Generate on a "
                         "Unix socket, which the gateway uses: less latency per request)")
-    p.add_argument("--warm-up", action="store_true",
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
                    help="GPU engines run the batch shapes they will meet before serving, so kernels compile at start-up rather than while "
-                        "a request of a new shape waits (engine-server --warm-up; default off, not measured yet)")
+                        "a request of a new shape waits (engine-server --warm-up; default: on; --no-warm-up starts faster)")
     p.add_argument("--workers", type=int, default=1, help="gateway processes (default 1)")
     p.add_argument("--api-key", default=os.environ.get("FLORIST_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $FLORIST_API_KEY; none: no key)")
     p.add_argument("--payload-limit", type=int, default=d.payload_limit_bytes, help=f"largest request body in bytes (default {d.payload_limit_bytes})")
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
               ("--tensor-parallel-size", args.tensor_parallel_size if args.tensor_parallel_size > 1 else None))
     engine_args = [a for flag, value in passed if value is not None for a in (flag, str(value))] + (["--busy-poll"] if args.busy_poll else [])
     engine_args += ["--local-socket", "off"] if args.no_local_socket else []
-    engine_args += ["--warm-up"] if args.warm_up else []
+    engine_args += [] if args.warm_up else ["--no-warm-up"]
     try:
         return serve(config, workers=args.workers, engine_args=engine_args, device=args.device, replicas=args.replicas,
                      tensor_parallel=args.tensor_parallel_size)

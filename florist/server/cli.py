@@ -42,10 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also serve Embed / Score / Generate on this Unix socket, which clients on this host (the gateway) find through Info and "
                         "use instead of gRPC, for less latency per request (default auto: a path in $XDG_RUNTIME_DIR or the temp "
                         "directory, printed at start; off: gRPC only)")
-    p.add_argument("--warm-up", action="store_true",
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, run the batch shapes a server meets before serving (one sequence of 64 tokens up to --max-batch-tokens, "
                         "eight at each of those sizes, and 1 up to --max-batch-seqs short sequences), so that kernels compile then and not "
-                        "while a request of a new shape waits (default: off; what it saves is not measured yet)")
+                        "while a request of a new shape waits: on the H200 such a request waited 0.7-1.7 s (default: on; about 12 s at "
+                        "start with an empty Triton cache, docs/benchmarks.md)")
     p.add_argument("--timing-metadata", action="store_true",
                    help="reply with trailing metadata x-florist-timing: the handler's entry and exit (time.monotonic_ns), for latency breakdowns")
 
@@ -59,9 +60,7 @@ def add_engine_server_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from florist import Engine
-    from florist.engine.batch import HostBatch
     from florist.server.config import ServerConfig
-    from florist.server.service import batch_token_budget
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tp = args.tensor_parallel_size
@@ -71,14 +70,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tensor-parallel-size {tp} places its ranks on cuda:0..{tp - 1} of the visible GPUs; pick them with "
                          f"CUDA_VISIBLE_DEVICES and --device cuda, not --device {args.device}")
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task, tensor_parallel_size=tp if tp > 1 else None)
-    if engine.info.task in ("embed", "score"):
-        if args.warm_up and engine.info.device.startswith("cuda"):
-            # Kernels compile and plan at start-up, not while a request of a new shape waits.
-            done = engine.warm_up(batch_token_budget(engine, args.max_batch_tokens), args.max_batch_seqs)
-            logging.getLogger("florist.server").info("warmed up %d batch shapes up to %d tokens and %d sequences in %.1f s",
-                                                     done["shapes"], done["max_tokens"], done["max_seqs"], done["seconds"])
-        else:  # the device context and the allocator, so the first request does not pay for them
-            engine.step(HostBatch.from_sequences([[0] * 8], [4] if engine.info.task == "score" else None)).numpy()
+    prepare(engine, args)
     config = ServerConfig(
         host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,
         max_pending_tokens=args.max_pending_tokens, metrics_port=args.metrics_port, spin_ms=args.spin_ms,
@@ -90,6 +82,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 run_engine_server = run
+
+
+def prepare(engine, args: argparse.Namespace) -> None:
+    """Before serving: on a GPU, the warm-up (--warm-up, the default), so kernels compile and plan
+    now rather than while a request of a new shape waits; else one small batch, so the first
+    request does not pay for the device context and the allocator. A causal LM (Generate) is
+    served as it loaded."""
+    from florist.engine.batch import HostBatch
+    from florist.server.service import batch_token_budget
+
+    if engine.info.task not in ("embed", "score"):
+        return
+    if args.warm_up and engine.info.device.startswith("cuda"):
+        done = engine.warm_up(batch_token_budget(engine, args.max_batch_tokens), args.max_batch_seqs)
+        logging.getLogger("florist.server").info("warmed up %d batch shapes up to %d tokens and %d sequences in %.1f s",
+                                                 done["shapes"], done["max_tokens"], done["max_seqs"], done["seconds"])
+    else:
+        engine.step(HostBatch.from_sequences([[0] * 8], [4] if engine.info.task == "score" else None)).numpy()
 
 
 def _run_loop(main):
