@@ -61,15 +61,20 @@ def seq_bucket(num_seqs: int) -> int:
     return 1 << num_seqs.bit_length()  # next power of two strictly above num_seqs: room for the dummy
 
 
-def seqlen_bucket(host: HostBatch, tokens: int) -> int:
-    longest = max(host.max_seqlen, tokens - host.num_tokens)  # the dummy holds the padding
+def seqlen_bucket(num_tokens: int, max_seqlen: int, tokens: int) -> int:
+    longest = max(max_seqlen, tokens - num_tokens)  # the dummy holds the padding
     return min(tokens, max(64, 1 << (longest - 1).bit_length()))
 
 
+def bucket_of(num_tokens: int, num_seqs: int, max_seqlen: int) -> tuple[int, int, int, bool]:
+    """(token bucket, sequence bucket, longest-sequence bucket, exact single) of a ragged batch."""
+    tokens = token_bucket(num_tokens)
+    exact_single = num_seqs == 1 and num_tokens == tokens
+    return tokens, seq_bucket(num_seqs), seqlen_bucket(num_tokens, max_seqlen, tokens), exact_single
+
+
 def bucket(host: HostBatch) -> tuple[int, int, int, bool]:
-    tokens = token_bucket(host.num_tokens)
-    exact_single = host.num_seqs == 1 and host.num_tokens == tokens
-    return tokens, seq_bucket(host.num_seqs), seqlen_bucket(host, tokens), exact_single
+    return bucket_of(host.num_tokens, host.num_seqs, host.max_seqlen)
 
 
 @dataclass

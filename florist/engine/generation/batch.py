@@ -59,6 +59,47 @@ def prefill_batch(packed: torch.Tensor, num_tokens: int, num_seqs: int, seq_lens
     return GenerationBatch(**fields, slot_mapping=packed[-num_tokens:].long())
 
 
+def pad_prefill(packed: np.ndarray, num_tokens: int, num_seqs: int, tokens: int, seqs: int, scratch_slot: int, max_len: int,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """A packed prefill buffer padded to a graph bucket of `tokens` tokens and `seqs` sequences
+    (into `out` when given, e.g. a pinned staging buffer): the layout of `pack(host, tokens, seqs)`
+    plus the slot mapping. The padding tokens form one dummy sequence whose k/v go to the scratch
+    slot (positions 0, 1, ..), as a decode step's padding rows do; the sequences after it are empty.
+
+        ids       t0 t1 t2 u0 u1 | 0  0  0          slot_mapping  a  a+1 a+2 b b+1 | s  s+1 s+2
+        seq_ids    0  0  0  1  1 | 2  2  2          (s = scratch_slot * max_len)
+        cu_seqlens 0  3  5  8  8  8  8  8  8
+    """
+    t, b, tb, bb = num_tokens, num_seqs, tokens, seqs
+    pad = tb - t
+    if pad < 0 or bb < b + (pad > 0) or pad > max_len:
+        raise ValueError(f"bucket ({tb} tokens, {bb} sequences) cannot hold {t} tokens in {b} sequences plus a dummy of at most {max_len}")
+    size = 4 * tb + bb + 1
+    buf = np.empty(size, dtype=np.int32) if out is None else out
+    assert buf.shape == (size,) and buf.dtype == np.int32, f"out must be int32 [{size}], got {buf.dtype} {buf.shape}"
+    filler = np.arange(pad, dtype=np.int32)
+    for part in range(3):  # ids, positions, seq_ids
+        buf[part * tb : part * tb + t] = packed[part * t : (part + 1) * t]
+    buf[t:tb], buf[tb + t : 2 * tb], buf[2 * tb + t : 3 * tb] = 0, filler, b
+    cu = buf[3 * tb : 3 * tb + bb + 1]
+    cu[: b + 1] = packed[3 * t : 3 * t + b + 1]
+    cu[b + 1 :] = tb
+    slots = buf[3 * tb + bb + 1 :]
+    slots[:t] = packed[3 * t + b + 1 :]
+    slots[t:] = scratch_slot * max_len + filler
+    return buf
+
+
+def padded_prefill_batch(packed: torch.Tensor, tokens: int, seqs: int, max_seqlen: int, exact_single: bool) -> GenerationBatch:
+    """Views into a prefill buffer padded to a graph bucket (`pad_prefill`), on the device. Only
+    bucket-wide facts shape it, as in the embedding engine's graphs (graph_runner.py): no host
+    sequence lengths, and `single_sequence` only where the bucket holds one sequence."""
+    ragged = views(packed[:-tokens], tokens, seqs, False, max_seqlen=max_seqlen, seq_lens_host=(), single_sequence=seqs == 2,
+                   has_padding=not exact_single)
+    fields = {name: getattr(ragged, name) for name in RaggedBatch.__dataclass_fields__}
+    return GenerationBatch(**fields, slot_mapping=packed[-tokens:].long())
+
+
 def prefill_seq_lens(packed: np.ndarray, num_tokens: int, num_seqs: int) -> tuple[int, ...]:
     """Sequence lengths read back from a packed prefill buffer (the other ranks get only bytes)."""
     cu = packed[3 * num_tokens : 3 * num_tokens + num_seqs + 1]

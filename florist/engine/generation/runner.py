@@ -3,7 +3,8 @@
 Every rank runs the same calls on the same packed inputs (rank 0 broadcasts them, tp.py), so
 every rank writes the same cache slots and computes the same next ids; only rank 0 reads them.
 
-    prefill(packed, T, B)  -> next ids [B]      eager: whole prompts, ragged
+    prefill(packed, T, B)  -> next ids [>= B]   whole prompts, ragged; a CUDA graph per bucket
+                                                on CUDA at TP 1 (prefill_graphs.py), else eager
     decode(packed, B)      -> next ids [rows]   CUDA graph per bucket when on CUDA, else eager
     decode_next(B)         -> next ids [rows]   the same rows again, inputs advanced on the device
                                                 from the last decode's next ids (pipelined decode)
@@ -23,14 +24,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from florist.engine.generation.batch import advance_decode, decode_batch, prefill_batch, prefill_seq_lens
+from florist.engine.generation.batch import advance_decode, decode_batch, padded_prefill_batch, prefill_batch, prefill_seq_lens
 from florist.engine.generation.config import GenerationConfig
 from florist.engine.generation.decode_graphs import DecodeGraphRunner
 from florist.engine.generation.kv_cache import KVCache, KVCacheSpec
+from florist.engine.generation.prefill_graphs import Key, PrefillGraphRunner
 from florist.engine.staging import InputStaging, PendingTokens, TokenReadback
 from florist.engine.loader import check_complete, iter_tensors, load_weights, safetensors_files
 from florist.engine.model_dir import ModelDir
-from florist.engine.runner import make_current
+from florist.engine.runner import default_graph_max_tokens, make_current
 from florist.layers.attention import select_backend
 from florist.layers.cached_attention import select_decode_backend
 from florist.models.qwen3_causal_lm import Qwen3ForCausalLM
@@ -75,6 +77,12 @@ class GenerationRunner:
         if device.type == "cuda" and config.cuda_graphs:
             self.graphs = DecodeGraphRunner(self._decode_forward, device, max_num_seqs=config.max_num_seqs, max_len=max_len)
         self.staging, self.readback = InputStaging(device), TokenReadback(device)
+        self.prefill_graphs: PrefillGraphRunner | None = None
+        # NOTE: at TP 1 only for now: captured prefills under tensor parallelism (collectives in the
+        # graph, as decode graphs have) are not yet checked on several GPUs.
+        if device.type == "cuda" and config.cuda_graphs and config.tensor_parallel_size == 1 and getattr(backend, "capturable", True):
+            self.prefill_graphs = PrefillGraphRunner(self._prefill_forward, self.staging, max_tokens=default_graph_max_tokens(cfg),
+                                                     max_len=max_len, scratch_slot=self.cache.spec.scratch_slot)
         self._last_decode: _LastDecode | None = None
 
     def _load(self, model_dir: ModelDir) -> None:
@@ -95,7 +103,13 @@ class GenerationRunner:
     def prefill(self, packed: np.ndarray, num_tokens: int, num_seqs: int) -> torch.Tensor:
         self._last_decode = None  # the next decode is packed on the host
         seq_lens = prefill_seq_lens(packed, num_tokens, num_seqs)
+        if self.prefill_graphs is not None and self.prefill_graphs.applies(num_tokens):
+            return self.prefill_graphs.run(packed, num_tokens, num_seqs, seq_lens)
         return self.model(prefill_batch(self.staging.to_device(packed), num_tokens, num_seqs, seq_lens))
+
+    def _prefill_forward(self, packed: torch.Tensor, key: Key) -> torch.Tensor:
+        tokens, seqs, longest, exact_single = key
+        return self.model(padded_prefill_batch(packed, tokens, seqs, longest, exact_single))
 
     @torch.inference_mode()
     def decode(self, packed: np.ndarray, num_seqs: int) -> torch.Tensor:
@@ -133,7 +147,7 @@ class GenerationRunner:
         if self.graphs is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # NOTE: no graph may be freed while a replay of it runs
-            self.graphs = None
+            self.graphs = self.prefill_graphs = None
             self._last_decode = None
             gc.collect()  # the graphs are freed now, not at some later collection
 
