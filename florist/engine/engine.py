@@ -171,7 +171,8 @@ class Engine:
     def warm_up(self, max_tokens: int | None = None, max_seqs: int = 256) -> dict:
         """Run a few batch shapes before serving, so that their kernels are compiled (Triton) and
         planned (cuBLAS, cuDNN) at start-up rather than while a request waits: on the H200 a new
-        shape met while serving held its batch for 0.75-1.1 s (docs/benchmarks.md). The shapes,
+        sequence bucket compiles three or four kernels and held its batch for 0.85-1.7 s while
+        serving (docs/benchmarks.md, "The stall's cause"). The shapes,
         `warm_up_shapes`, span the token counts a batch can have (up to max_tokens, default the
         engine's max_batch_tokens), one sequence and several at each, and the sequence counts up
         to max_seqs. A shape run here counts as the first sight of its graph bucket, so that

@@ -20,9 +20,9 @@ Batches above `max_tokens` run eagerly (there the GPU time dwarfs launch costs).
 
 A capture happens while a server runs (it stalls that batch by tens of ms), so each is logged
 with its time; `stats()` sums them. A first sight is logged too, with the host time its launch
-took, the thread's CPU time and the Triton kernels compiled meanwhile: some took 0.75-1.1 s
-inside `florist serve` on the H200 under four to eight clients, most likely compiling kernels
-for a new sequence bucket (docs/benchmarks.md; `--warm-up`; bench/first_sight.py). Capturing
+took, the thread's CPU time and the Triton kernels compiled meanwhile: on the H200 a new
+sequence bucket compiles three or four kernels and holds its batch for 0.85-1.7 s, which is why
+`florist serve` warms up by default (docs/benchmarks.md, "The stall's cause"; bench/first_sight.py). Capturing
 without what `torch.cuda.graph` does first (synchronize, empty the device and pinned-host
 caches) was tried and stalled requests for up to 1.5 s under load (docs/benchmarks.md), so
 captures go through `torch.cuda.graph`.

@@ -1,9 +1,9 @@
 """Prefill steps replayed from CUDA graphs, one graph per bucket, captured lazily.
 
 An eager prefill launches every kernel of every layer from Python: for the Qwen3-0.6B geometry on
-the H200 that took 17.3 ms at 128 prompt tokens (docs/benchmarks.md, "Generation"), where the GPU
-work is about 1.3 ms. Prefills therefore replay graphs, bucketed as the embedding engine's are
-(graph_runner.bucket_of):
+the H200, 18.2 ms to the first token at 128 prompt tokens, against 1.36 ms from a graph
+(docs/benchmarks.md, "Generation"). Prefills therefore replay graphs, bucketed as the embedding
+engine's are (graph_runner.bucket_of):
 
     bucket(T, B) = (tokens rounded up: to 64 up to 1024, to 256 above; sequences: the next power
                     of two >= B + 1; longest sequence, padding included: the next power of two,
