@@ -61,7 +61,7 @@ def test_warm_up_runs_every_shape_and_leaves_the_engine_as_it_was(tmp_path, geom
     np.testing.assert_allclose(after, before, atol=1e-6)
 
 
-def test_engine_server_warms_up_by_default_and_only_on_a_gpu():
+def test_engine_server_warms_up_by_default_and_only_on_a_gpu(caplog):
     import argparse
     from types import SimpleNamespace
 
@@ -84,11 +84,15 @@ def test_engine_server_warms_up_by_default_and_only_on_a_gpu():
             self.calls.append(("step", batch.num_seqs))
             return SimpleNamespace(numpy=lambda: None)
 
+    caplog.set_level("INFO", logger="florist.server")
     for device, argv, expected in (("cuda:0", [], [("warm_up", 1000, 256)]), ("cuda:0", ["--no-warm-up"], [("step", 1)]),
                                    ("cpu", [], [("step", 1)])):
         engine = Fake(device)
         prepare(engine, p.parse_args(["--max-batch-tokens", "1000", *argv]))
         assert engine.calls == expected, (device, argv)
+    said = [r.getMessage() for r in caplog.records if r.name == "florist.server"]
+    assert len(said) == 2 and said[0].startswith("warming up: batch shapes up to 1000 tokens and 256 sequences")
+    assert said[1].startswith("warmed up 1 batch shapes")  # before and after, so a long start-up says what it is doing
     lm = Fake("cuda:0", task="generate")
     prepare(lm, p.parse_args([]))
     assert lm.calls == []

@@ -95,8 +95,11 @@ def prepare(engine, args: argparse.Namespace) -> None:
     if engine.info.task not in ("embed", "score"):
         return
     if args.warm_up and engine.info.device.startswith("cuda"):
-        done = engine.warm_up(batch_token_budget(engine, args.max_batch_tokens), args.max_batch_seqs)
-        logging.getLogger("florist.server").info("warmed up %d batch shapes up to %d tokens and %d sequences in %.1f s",
+        budget, log = batch_token_budget(engine, args.max_batch_tokens), logging.getLogger("florist.server")
+        log.info("warming up: batch shapes up to %d tokens and %d sequences, so that their kernels compile now "
+                 "(about 12-16 s with an empty Triton cache; --no-warm-up skips it)", budget, args.max_batch_seqs)
+        done = engine.warm_up(budget, args.max_batch_seqs)
+        log.info("warmed up %d batch shapes up to %d tokens and %d sequences in %.1f s",
                                                  done["shapes"], done["max_tokens"], done["max_seqs"], done["seconds"])
     else:
         engine.step(HostBatch.from_sequences([[0] * 8], [4] if engine.info.task == "score" else None)).numpy()
