@@ -53,8 +53,14 @@ def pack_prefill(prompts: list[list[int]], slots: list[int], max_len: int) -> np
 
 def prefill_batch(packed: torch.Tensor, num_tokens: int, num_seqs: int, seq_lens: tuple[int, ...]) -> GenerationBatch:
     """Views into the packed prefill buffer (already on the device)."""
-    ragged = views(packed[: -num_tokens], num_tokens, num_seqs, False, max_seqlen=max(seq_lens), seq_lens_host=seq_lens,
-                   single_sequence=num_seqs == 1, uniform_seqlen=seq_lens[0] if len(set(seq_lens)) == 1 else 0)
+    return _with_slots(packed, num_tokens, num_seqs, max_seqlen=max(seq_lens), seq_lens_host=seq_lens, single_sequence=num_seqs == 1,
+                       uniform_seqlen=seq_lens[0] if len(set(seq_lens)) == 1 else 0)
+
+
+def _with_slots(packed: torch.Tensor, num_tokens: int, num_seqs: int, **facts) -> GenerationBatch:
+    """The RaggedBatch views of a packed prefill buffer (batch.views, given the host facts that
+    shape attention) plus its slot mapping, the buffer's last `num_tokens` values."""
+    ragged = views(packed[:-num_tokens], num_tokens, num_seqs, False, **facts)
     fields = {name: getattr(ragged, name) for name in RaggedBatch.__dataclass_fields__}
     return GenerationBatch(**fields, slot_mapping=packed[-num_tokens:].long())
 
@@ -94,10 +100,7 @@ def padded_prefill_batch(packed: torch.Tensor, tokens: int, seqs: int, max_seqle
     """Views into a prefill buffer padded to a graph bucket (`pad_prefill`), on the device. Only
     bucket-wide facts shape it, as in the embedding engine's graphs (graph_runner.py): no host
     sequence lengths, and `single_sequence` only where the bucket holds one sequence."""
-    ragged = views(packed[:-tokens], tokens, seqs, False, max_seqlen=max_seqlen, seq_lens_host=(), single_sequence=seqs == 2,
-                   has_padding=not exact_single)
-    fields = {name: getattr(ragged, name) for name in RaggedBatch.__dataclass_fields__}
-    return GenerationBatch(**fields, slot_mapping=packed[-tokens:].long())
+    return _with_slots(packed, tokens, seqs, max_seqlen=max_seqlen, seq_lens_host=(), single_sequence=seqs == 2, has_padding=not exact_single)
 
 
 def prefill_seq_lens(packed: np.ndarray, num_tokens: int, num_seqs: int) -> tuple[int, ...]:
