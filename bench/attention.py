@@ -88,6 +88,7 @@ def main():
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="qwen3-0.6b")
     ap.add_argument("--eager", action="store_true", help="time plain launches instead of CUDA graph replays")
     ap.add_argument("--sweep", action="store_true", help="time the Triton kernel's configurations at its short shapes")
+    ap.add_argument("--json", help="with --sweep: write every configuration's time to this file")
     args = ap.parse_args()
     if args.sweep:
         return sweep(args)
@@ -130,16 +131,19 @@ def main():
         print(f"{label:22s} " + " ".join(f"{res.get(k, float('nan')):10.4f}" for k in BACKENDS) + f"   {best} {tflops:.0f}")
 
 
-SWEEP_SHAPES = [("1 x 64", [64]), ("1 x 128", [128]), ("1 x 256", [256]), ("ragged 4 <= 200", [200, 37, 101, 9])]
+SWEEP_SHAPES = [("1 x 64", [64]), ("1 x 128", [128]), ("1 x 256", [256]), ("1 x 512", [512]), ("1 x 1024", [1024]),
+                ("ragged 4 <= 200", [200, 37, 101, 9]), ("ragged 8 <= 256", [256, 200, 150, 100, 64, 32, 17, 5])]
 # The masking the served models use: Qwen3 embedders are causal, BERT encoders bidirectional.
 SWEEP_CAUSAL = {"qwen3-0.6b": True, "minilm-l6": False}
 
 
 def sweep(args) -> None:
-    """Every (BLOCK_M, BLOCK_N, warps, stages) that fits the shape, against the default, with
-    the geometry's own masking; the fastest of each shape is printed beside the default's time.
-    (~54 configurations x a few key-tile counts compile: a few minutes.)"""
+    """Every (BLOCK_M, BLOCK_N, warps, stages, pack_groups) that fits the shape, with the
+    geometry's own masking, each checked against varlen first; per shape the default's time, the
+    fastest configuration, and cuDNN's SDPA (one sequence) and varlen beside them. `--json PATH`
+    keeps every configuration's time. (~100 configurations compile: a few minutes.)"""
     import itertools
+    import json
 
     from florist.kernels import short_attention as sa
 
@@ -147,9 +151,12 @@ def sweep(args) -> None:
     causal = SWEEP_CAUSAL[args.geometry]
     dev = torch.device("cuda")
     varlen = select_backend("varlen", dev)
+    cudnn = sdpa_batched("cudnn", hq, hkv, d)
+    packs = (False, True) if hq != hkv else (False,)
+    configs = list(itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3), packs))
     print(f"{args.geometry}, {str(dtype).removeprefix('torch.')}, {'causal' if causal else 'bidirectional'}, "
           f"us per call ({'eager' if args.eager else 'CUDA graph'})")
-    print(f"{'shape':18s} {'default':>9s} {'best':>9s}  best (BLOCK_M, BLOCK_N, warps, stages)")
+    table, lines = {}, []
     for label, lens in SWEEP_SHAPES:
         t, max_len = sum(lens), max(lens)
         q = torch.randn(t, hq, d, device=dev, dtype=dtype)
@@ -159,27 +166,36 @@ def sweep(args) -> None:
         ref = varlen(q, k, v, batch, causal, d**-0.5).float()
 
         def run(cfg=None):
-            blocks, warps, stages = (cfg[:2], cfg[2], cfg[3]) if cfg else (None, 4, 2)
-            return sa.short_attention_triton(q, k, v, batch.cu_seqlens, max_len, causal, d**-0.5, blocks, warps, stages)
+            if cfg is None:
+                return sa.short_attention_triton(q, k, v, batch.cu_seqlens, max_len, causal, d**-0.5)
+            bm, bn, warps, stages, pack = cfg
+            return sa.short_attention_triton(q, k, v, batch.cu_seqlens, max_len, causal, d**-0.5, (bm, bn), warps, stages, pack)
 
         default = timed(run, graph=not args.eager) * 1e3
-        best, best_cfg = default, "default"
-        fit = max(16, triton_pow2(max_len))
-        for cfg in itertools.product((16, 32, 64), (32, 64, 128), (2, 4, 8), (1, 2)):
-            if cfg[0] > fit or cfg[1] > max(32, fit):
+        others = {"varlen": timed(lambda: varlen(q, k, v, batch, causal, d**-0.5), graph=not args.eager) * 1e3}
+        if len(lens) == 1:
+            others["cudnn"] = timed(lambda: cudnn(q, k, v, lens, causal), graph=not args.eager) * 1e3
+        times = {}
+        for cfg in configs:
+            if cfg[0] > max(16, triton_pow2(max_len)):
                 continue
             try:
                 err = (run(cfg).float() - ref).abs().max().item()
                 if err >= 2e-2:
                     print(f"  {label} {cfg}: max error {err:.3g} against varlen; skipped")
                     continue
-                us = timed(lambda: run(cfg), iters=10, graph=not args.eager) * 1e3
+                times[cfg] = timed(lambda: run(cfg), iters=10, graph=not args.eager) * 1e3
             except Exception as e:  # out of resources and the like: not a candidate
                 print(f"  {label} {cfg}: {type(e).__name__}")
-                continue
-            if us < best:
-                best, best_cfg = us, cfg
-        print(f"{label:18s} {default:9.2f} {best:9.2f}  {best_cfg}", flush=True)
+        ranked = sorted(times.items(), key=lambda kv: kv[1])
+        table[label] = {"default": default, **others, "configs": {" ".join(map(str, c)): us for c, us in ranked}}
+        top = ", ".join(f"{c} {us:.2f}" for c, us in ranked[:3])
+        lines.append(f"{label:18s} {default:9.2f} {others.get('cudnn', float('nan')):9.2f} {others['varlen']:9.2f}   {top}")
+        print(lines[-1], flush=True)
+    print(f"\n{'shape':18s} {'default':>9s} {'cudnn':>9s} {'varlen':>9s}   fastest (BLOCK_M, BLOCK_N, warps, stages, pack_groups) us")
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"geometry": args.geometry, "causal": causal, "shapes": table}, indent=1))
 
 
 def triton_pow2(n: int) -> int:

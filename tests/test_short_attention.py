@@ -1,7 +1,7 @@
 """The short-sequence attention kernel (florist/kernels/short_attention.py) against its reference,
 and the "auto" backend's choice of it (florist/layers/attention.py).
 
-* CPU: every case below runs through Triton's interpreter in one subprocess (`TRITON_INTERPRET`
+* CPU: every case below runs through Triton's interpreter (3.9 or later) in one subprocess (`TRITON_INTERPRET`
   must be set before triton is imported); running this file as a script does that and prints
   {case: "ok" | failure text} as JSON. Small sizes: the interpreter is slow.
 * GPU (skipped without CUDA): the same cases compiled, at larger sizes, bf16 included; replay
@@ -117,6 +117,11 @@ def _build_cases():
     # Tile overrides (bench/attention.py --sweep): query and key tiles other than the defaults.
     cases["fp16-causal-tiles-16x16"] = _case(torch.float16, [1, 7, 33, 100], 4, 2, 32, True, launch=dict(blocks=(16, 16), num_warps=2, num_stages=1))
     cases["fp32-bidir-tiles-64x128"] = _case(torch.float32, [7, 33, 100], 2, 1, 64, False, pad=3, launch=dict(blocks=(64, 128), num_warps=8, num_stages=3))
+    # One program per kv head, its query heads packed into the rows (pack_groups).
+    for name, dtype in DTYPES.items():
+        cases[f"{name}-causal-packed-groups"] = _case(dtype, [1, 7, 33, 100], 4, 2, 32, True, pad=5, launch=dict(pack_groups=True))
+        cases[f"{name}-bidir-packed-groups-4"] = _case(dtype, [7, 33, 0], 8, 2, 24, False, pad=3, launch=dict(pack_groups=True, blocks=(16, 32)))
+    cases["fp16-packed-groups-nan-inf-padding"] = _case(torch.float16, [7, 33], 4, 2, 32, True, pad=9, nonfinite=True, launch=dict(pack_groups=True))
     return cases
 
 
@@ -138,7 +143,9 @@ def run_cases(device: str, big: bool, names) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, str]:
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):  # as tests/interpreted.py
+        pytest.skip("Triton < 3.9's interpreter cannot take a loop trip count loaded from memory (compiled kernels can)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run([sys.executable, __file__], check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -209,7 +216,11 @@ def test_auto_takes_the_short_kernel_where_it_was_measured_faster():
             assert _choice(make([128]), causal, width=qwen3) == "triton"
             assert _choice(make([1]), causal, width=qwen3) == "triton"
             assert _choice(make([256]), causal, width=minilm) == "triton"
-            assert _choice(make([256]), causal, width=qwen3) != "triton"
+            assert _choice(make([1024]), causal, width=minilm) == "triton"
+            assert _choice(make([512]), causal, width=qwen3) == "triton"
+            assert _choice(make([300]), causal, width=qwen3) == "triton"  # graph bucket: 320 tokens, longest 512
+            assert _choice(make([1024]), causal, width=qwen3) != "triton"
+            assert _choice(make([600]), causal, width=qwen3) != "triton"
             # ragged batches of short sequences, whatever the width
             assert _choice(make([100, 7, 33]), causal, width=qwen3) == "triton"
             assert _choice(make([200, 150, 180, 90]), causal, width=qwen3) == "triton"
@@ -220,9 +231,10 @@ def test_auto_takes_the_short_kernel_where_it_was_measured_faster():
     assert _choice(_graph_batch([100] * 7)) == "triton"
     assert _choice(_eager_batch([128] * 8), width=12 * 32) == "sdpa_batched"
     # Above either bound the earlier choices stand.
-    assert _choice(_eager_batch([257])) == "sdpa_batched"
-    assert _choice(_graph_batch([257])) == "sdpa_single"  # causal single sequence over the bucket
-    assert _choice(_graph_batch([257]), causal=False) == "varlen"
+    assert _choice(_eager_batch([1100])) == "sdpa_batched"
+    assert _choice(_graph_batch([1100])) == "sdpa_single"  # causal single sequence over the bucket
+    assert _choice(_graph_batch([1100]), causal=False) == "varlen"
+    assert _choice(_graph_batch([257, 5])) == "varlen"  # ragged, past SHORT_MAX_SEQLEN
     assert _choice(_eager_batch([128] * 9)) == "sdpa_batched"  # 1152 tokens
     assert _choice(_eager_batch([300, 5])) == "varlen"
     assert _choice(_graph_batch([128] * 9)) == "varlen"
@@ -230,6 +242,16 @@ def test_auto_takes_the_short_kernel_where_it_was_measured_faster():
     assert _choice(_eager_batch([128]), short_kernel=False) == "sdpa_batched"
     assert _choice(_graph_batch([100]), short_kernel=False) == "sdpa_single"
     assert _choice(_graph_batch([100, 7]), short_kernel=False) == "varlen"
+
+
+def test_launch_config_follows_the_sweep():
+    pytest.importorskip("triton")
+    assert short.launch_config(128, 128, 2) == dict(blocks=(16, 128), num_warps=4, num_stages=2, pack_groups=False)
+    assert short.launch_config(40, 128, 2)["blocks"] == (16, 64)  # key tiles no wider than the sequence bucket
+    assert short.launch_config(512, 128, 2) == dict(blocks=(32, 64), num_warps=4, num_stages=3, pack_groups=True)
+    assert short.launch_config(512, 128, 1)["pack_groups"] is False  # nothing to pack without grouped heads
+    assert short.launch_config(512, 32, 1) == dict(blocks=(64, 128), num_warps=4, num_stages=3, pack_groups=False)
+    assert short.launch_config(20, 32, 1)["blocks"] == (32, 32)
 
 
 def test_auto_backend_calls_the_kernel(monkeypatch):

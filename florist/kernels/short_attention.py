@@ -3,17 +3,22 @@
     q [T, Hq, D], k/v [T, Hkv, D] (Hq = GROUPS * Hkv; any token / head strides, last dim
     contiguous: views of the fused qkv output), cu_seqlens int32 [B+1]  ->  out [T, Hq, D]
 
-    grid (cdiv(max_seqlen, BLOCK_M), B, Hq): program (m, b, h) holds the query rows
-    cu[b] + m*BLOCK_M .. +BLOCK_M of head h and streams the keys of sequence b (kv head
-    h // GROUPS, read in place: grouped-query heads are never copied) in BLOCK_N tiles with an
-    online softmax in fp32 (exp2, log2(e) folded into the scale):
+    grid (cdiv(max_seqlen, BLOCK_M), B, Hq / HEADS): program (m, b, h) holds the query rows
+    cu[b] + m*BLOCK_M .. +BLOCK_M of HEADS query heads (1, or all GROUPS heads of a kv head:
+    `pack_groups`, so a key tile is read once per group) and streams the keys of sequence b (kv
+    head h*HEADS // GROUPS, read in place: grouped-query heads are never copied) in BLOCK_N tiles
+    with an online softmax in fp32 (exp2, log2(e) folded into the scale):
 
         seq b      |<------------------ n_b = cu[b+1] - cu[b] ------------------>|
         query rows | m = 0 | m = 1 | ... |                 (programs past n_b return at once)
-        key tiles  | j = 0 | j = 1 | ... |  causal: tiles past the program's last row are skipped
+        key tiles  | j = 0 | j = 1 | ... |  causal: the loop stops at the program's last row
 
-At batch 1 the whole problem is ~128 x 128 scores per head: cuDNN's SDPA costs ~5 us plus a memset
-per call there, varlen FlashAttention ~7.5 us; this kernel is one small launch and no memset.
+The key loop's bound is a run-time value, so its loads are software-pipelined (num_stages), and
+query blocks run last to first, so under a causal mask the longest programs start first.
+Tiles, warps, stages and packing come from `launch_config` (measured on the H200).
+
+At batch 1 the whole problem is ~128 x 128 scores per head: cuDNN's SDPA costs ~7 us per call
+there, varlen FlashAttention ~9 us; this kernel is one small launch of ~4 us and no memset.
 
 Only host values size the launch (`max_seqlen`, the shapes), so it is capturable in a CUDA graph.
 `max_seqlen` must bound every sequence's length (RaggedBatch.max_seqlen and the graph buckets do).
@@ -89,19 +94,31 @@ def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     return short_attention_ref(q, k, v, cu_seqlens, causal, scale)
 
 
-def block_sizes(max_seqlen: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): small query tiles, so a 128-token sequence already spreads over
-    4 programs per head; 16 is tl.dot's smallest tile. NOTE: not yet tuned on the H200:
-    `bench/attention.py --sweep` times the alternatives (passed to the launcher as overrides)."""
+def launch_config(max_seqlen: int, head_dim: int, groups: int) -> dict:
+    """Tiles, warps, stages and head packing for a launch, from `bench/attention.py --sweep` on the
+    H200 (docs/benchmarks.md, "Attention backends"; us per call in a CUDA graph):
+
+    - head_dim <= 64 (all-MiniLM-L6-v2, 32): 64-row query tiles, 128-key tiles, 3 stages, within
+      4 % of the best configuration at every shape swept (1 x 64 ... 1 x 1024, ragged);
+    - wider heads (Qwen3, 128), sequences <= 128 tokens: 16-row query tiles over 128-key tiles
+      (1 x 128: 4.10 us against 5.00 for the earlier 32 x 64 tiles);
+    - wider heads, longer sequences: 32-row tiles, 64-key tiles, 3 stages, the query heads of a
+      kv head packed into one program (1 x 512: 10.92 us against 17.46; cuDNN 12.46)."""
     fit = max(16, triton.next_power_of_2(max(max_seqlen, 1)))
-    return min(32, fit), min(64, fit)
+    if head_dim <= 64:
+        return dict(blocks=(min(64, fit), min(128, fit)), num_warps=4, num_stages=3, pack_groups=False)
+    if max_seqlen <= 128:
+        return dict(blocks=(16, min(128, fit)), num_warps=4, num_stages=2, pack_groups=False)
+    return dict(blocks=(32, 64), num_warps=4, num_stages=3, pack_groups=groups > 1)
 
 
 def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                           causal: bool, scale: float, blocks: tuple[int, int] | None = None, num_warps: int = 4,
-                           num_stages: int = 2) -> torch.Tensor:
-    """The kernel; `blocks` (BLOCK_M, BLOCK_N), `num_warps` and `num_stages` override the defaults
-    (`block_sizes`, 4, 2) for `bench/attention.py --sweep`."""
+                           causal: bool, scale: float, blocks: tuple[int, int] | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None, pack_groups: bool | None = None) -> torch.Tensor:
+    """The kernel; `blocks` (BLOCK_M, BLOCK_N), `num_warps`, `num_stages` and `pack_groups` override
+    `launch_config`'s choice (for `bench/attention.py --sweep`). `pack_groups`: one program holds
+    all the query heads of a kv head (GROUPS x BLOCK_M rows), so each key tile is read once per
+    group instead of once per query head."""
     assert _supported(q, k, v, cu_seqlens), (
         f"unsupported input: q {q.dtype} {tuple(q.shape)} strides {q.stride()}, k {k.dtype} {tuple(k.shape)} strides "
         f"{k.stride()}, v {v.dtype} {tuple(v.shape)} strides {v.stride()}, cu_seqlens {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
@@ -117,17 +134,19 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         return out
     if num_seqs == 0 or max_seqlen <= 0:
         return out.zero_()  # no sequence: every row is outside one
-    block_m, block_n = blocks if blocks is not None else block_sizes(max_seqlen)
-    # A power of two of key tiles: few specialisations however max_seqlen varies (tiles past a
-    # sequence's end are skipped at run time). Triton 3.6's interpreter cannot loop over a
-    # run-time bound, hence a constexpr trip count.
-    kv_blocks = triton.next_power_of_2(triton.cdiv(max_seqlen, block_n))
-    grid = (triton.cdiv(max_seqlen, block_m), num_seqs, num_heads)
+    groups = num_heads // k.shape[1]
+    config = launch_config(max_seqlen, head_dim, groups)
+    block_m, block_n = blocks if blocks is not None else config["blocks"]
+    num_warps = config["num_warps"] if num_warps is None else num_warps
+    num_stages = config["num_stages"] if num_stages is None else num_stages
+    pack_groups = config["pack_groups"] if pack_groups is None else pack_groups
+    heads = groups if pack_groups else 1  # query heads per program
+    grid = (triton.cdiv(max_seqlen, block_m), num_seqs, num_heads // heads)
     _short_attention_kernel[grid](
         q, k, v, out, cu_seqlens, num_tokens, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        GROUPS=num_heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m, BLOCK_N=block_n, KV_BLOCKS=kv_blocks, CAUSAL=causal, IEEE=q.dtype == torch.float32,
+        GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, IEEE=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -136,16 +155,18 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 @_jit
 def _short_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, num_tokens, qk_scale,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                            GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCKS: tl.constexpr,
-                            CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-    m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                            GROUPS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    # Query blocks are taken last to first: under a causal mask the last ones see the most keys,
+    # so the longest programs start first.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq, head0 = tl.program_id(1), tl.program_id(2) * HEADS
     seq_start = tl.load(cu_ptr + seq)
     seq_end = tl.load(cu_ptr + seq + 1)
     n = seq_end - seq_start
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    out_row = HEAD_DIM * tl.num_programs(2)  # out is contiguous [T, Hq, D]
+    out_row = HEAD_DIM * HEADS * tl.num_programs(2)  # out is contiguous [T, Hq, D]
 
     # The last sequence's programs also zero the rows after it (tokens outside every sequence),
     # strided over the m programs; without padding the loop does not run.
@@ -153,47 +174,51 @@ def _short_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, num_tokens, qk
         pad = seq_end + m_block * BLOCK_M
         while pad < num_tokens:
             rows = pad + tl.arange(0, BLOCK_M)
-            ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_row + head * HEAD_DIM + offs_d[None, :]
-            tl.store(ptrs, tl.zeros((BLOCK_M, BLOCK_D), out_ptr.dtype.element_ty), mask=(rows < num_tokens)[:, None] & d_ok[None, :])
+            for g in tl.static_range(HEADS):
+                ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_row + (head0 + g) * HEAD_DIM + offs_d[None, :]
+                tl.store(ptrs, tl.zeros((BLOCK_M, BLOCK_D), out_ptr.dtype.element_ty), mask=(rows < num_tokens)[:, None] & d_ok[None, :])
             pad += tl.num_programs(0) * BLOCK_M
 
     row0 = m_block * BLOCK_M
     if row0 >= n:
         return
-    offs_m = row0 + tl.arange(0, BLOCK_M)
+    # A program's rows: BLOCK_M tokens x HEADS query heads, row r = token r // HEADS of head
+    # head0 + r % HEADS (HEADS = 1: one head, rows are tokens).
+    r = tl.arange(0, BLOCK_M * HEADS)
+    offs_m = row0 + r // HEADS
+    head = head0 + r % HEADS
     m_ok = offs_m < n
     tok_m = (seq_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + tok_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    kv_head = head // GROUPS
+    q = tl.load(q_ptr + (tok_m * stride_qt + head * stride_qh)[:, None] + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    kv_head = head0 // GROUPS
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
 
     # NOTE: a finite floor for the running max: a row whose keys are all masked in a tile (or
     # everywhere: query rows past n, never stored) gives exp2(-inf - floor) = 0, never NaN, so
     # the shared step runs without its -inf guard (florist/kernels/online_softmax.py).
-    m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    m_i = tl.full((BLOCK_M * HEADS,), -1.0e30, tl.float32)
+    l_i = tl.zeros((BLOCK_M * HEADS,), tl.float32)
+    acc = tl.zeros((BLOCK_M * HEADS, BLOCK_D), tl.float32)
     hi = tl.minimum(n, row0 + BLOCK_M) if CAUSAL else n  # keys this program's rows may see
-    for j in range(KV_BLOCKS):
-        col0 = j * BLOCK_N
-        if col0 < hi:
-            offs_n = col0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < n
-            tok_n = (seq_start + offs_n).to(tl.int64)
-            kv_mask = n_ok[:, None] & d_ok[None, :]  # masked loads: other sequences' rows (NaN or not) are never read
-            k = tl.load(k_base + tok_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            visible = n_ok[None, :]
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(visible, s * qk_scale, float("-inf"))
-            v = tl.load(v_base + tok_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, IEEE, GUARD_NEG_INF=False)
+    # A run-time bound (not a constexpr trip count with tiles skipped inside): the loop's loads
+    # can then be software-pipelined (num_stages).
+    for col0 in range(0, hi, BLOCK_N):
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n
+        tok_n = (seq_start + offs_n).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]  # masked loads: other sequences' rows (NaN or not) are never read
+        k = tl.load(k_base + tok_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        v = tl.load(v_base + tok_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, IEEE, GUARD_NEG_INF=False)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    ptrs = out_ptr + tok_m[:, None] * out_row + head * HEAD_DIM + offs_d[None, :]
+    ptrs = out_ptr + (tok_m * out_row + head * HEAD_DIM)[:, None] + offs_d[None, :]
     tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-

@@ -136,18 +136,19 @@ def _triton_backend() -> AttentionFn:
 
 
 # Where the Triton kernel wins, from bench/attention.py on the H200 (CUDA graphs, docs/benchmarks.md):
-# - a single sequence while the score work is small: Qwen3-0.6B (16 x 128 per token) at 64 / 128
-#   tokens (3.7 / 6.0 us against cuDNN's 7.3 / 7.2 with its memset) but not at 256 (10.2 vs 9.0);
-#   all-MiniLM-L6-v2 (12 x 32) up to 256 tokens (5.5 vs 6.9) but not at 512;
-# - ragged batches of short sequences (4 <= 200 tokens: 11.6 us against varlen's 14.1 for Qwen3,
-#   7.0 against 9.2 for MiniLM);
+# - a single sequence while the score work is small: Qwen3-0.6B (16 x 128 per token) up to 512
+#   tokens (4.1 / 6.8 / 10.9 us at 128 / 256 / 512 against cuDNN's 7.3 / 8.9 / 12.5) but not at
+#   1,024 (26.2 vs 19.2); all-MiniLM-L6-v2 (12 x 32) up to 1,024 (5.8 / 13.0 us at 512 / 1,024
+#   against 9.1 / 13.9);
+# - ragged batches of short sequences (4 <= 200 tokens: 8.4 us against varlen's 14.2 for Qwen3,
+#   4.9 against 9.1 for MiniLM; 8 <= 256 tokens: 9.1 against 20.2, 6.3 against 10.4);
 # - never equal-length batches (8 x 128: dense SDPA is faster for both models, and varlen too:
-#   10.1 us against the kernel's 13.5 for Qwen3), hence the bound on sequences (a graph bucket's
-#   batch, dummy included, is never "equal lengths").
-SHORT_MAX_SEQLEN = 256  # longest sequence (a host bound: the graph bucket's)
-SHORT_MAX_TOKENS = 1024  # tokens in the batch, padding included
+#   10.1 us against the kernel's 13.5 for Qwen3, an earlier version of the kernel), hence the
+#   bound on sequences (a graph bucket's batch, dummy included, is never "equal lengths").
+SHORT_MAX_SEQLEN = 256  # ragged batches: longest sequence (a host bound: the graph bucket's)
+SHORT_MAX_TOKENS = 1024  # ragged batches: tokens in the batch, padding included
 SHORT_MAX_SEQS = 8  # sequences in a ragged batch (a graph bucket's dummy included)
-SHORT_SINGLE_MAX_WORK = 1 << 26  # one sequence: tokens x max_seqlen x (query heads x head_dim)
+SHORT_SINGLE_MAX_WORK = 1 << 29  # one sequence: tokens x max_seqlen x (query heads x head_dim)
 
 
 def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel: bool, width: int) -> str:
@@ -155,11 +156,12 @@ def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel:
     "triton" | "sdpa_batched" | "sdpa_single" | "varlen". `short_kernel`: whether the Triton
     kernel applies to these tensors at all (CUDA, triton importable, a supported layout);
     `width`: query heads x head_dim."""
-    if short_kernel and batch.max_seqlen <= SHORT_MAX_SEQLEN and num_tokens <= SHORT_MAX_TOKENS:
+    if short_kernel:
         if batch.single_sequence:
             if num_tokens * batch.max_seqlen * width <= SHORT_SINGLE_MAX_WORK:
                 return "triton"
-        elif not batch.uniform_seqlen and batch.num_seqs <= SHORT_MAX_SEQS:
+        elif (batch.max_seqlen <= SHORT_MAX_SEQLEN and num_tokens <= SHORT_MAX_TOKENS and not batch.uniform_seqlen
+              and batch.num_seqs <= SHORT_MAX_SEQS):
             return "triton"
     if batch.uniform_seqlen:
         return "sdpa_batched"
