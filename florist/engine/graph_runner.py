@@ -13,13 +13,14 @@ bucket has no padding, so even bidirectional attention can run as one dense SDPA
     second sight             -> capture a graph into the shared memory pool, then replay it
     later                    -> copy the packed inputs into the static buffer, replay
 
-A graph's static state is one `_Graph` object: the packed int32 input buffer the graph reads and
-the output tensor it writes. Padding is harmless by construction: padding tokens belong to a dummy
+A graph's static state is one `CapturedGraph` (lazy_graphs.py): the packed int32 input buffer the
+graph reads and the output tensor it writes. Padding is harmless by construction: padding tokens belong to a dummy
 sequence whose pooled row is sliced off, and attention never mixes sequences.
 Batches above `max_tokens` run eagerly (there the GPU time dwarfs launch costs).
 
 A capture happens while a server runs (it stalls that batch by tens of ms), so each is logged
-with its time; `stats()` sums them. A first sight is logged too, with the host time its launch
+with its time and the graph memory so far; `stats()` sums them (the cycle and its accounting:
+lazy_graphs.py). A first sight is logged too, with the host time its launch
 took, the thread's CPU time and the Triton kernels compiled meanwhile: on the H200 a new
 sequence bucket compiles three or four kernels and holds its batch for 0.85-1.7 s, which is why
 `florist serve` warms up by default (docs/benchmarks.md, "The stall's cause"; bench/first_sight.py). Capturing
@@ -31,16 +32,15 @@ captures go through `torch.cuda.graph`.
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
 import torch
 
 from florist.engine.batch import HostBatch, RaggedBatch, pack, packed_size, views
+from florist.engine.lazy_graphs import LazyGraphs
 from florist.engine.staging import InputStaging
-from florist.kernels import compile_watch
 
 log = logging.getLogger(__name__)
 # Read back by bench/serve.py (graphs captured while a cell ran): keep "captured a CUDA graph" and "in N ms".
@@ -77,24 +77,11 @@ def bucket(host: HostBatch) -> tuple[int, int, int, bool]:
     return bucket_of(host.num_tokens, host.num_seqs, host.max_seqlen)
 
 
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    static_input: torch.Tensor  # packed int32, see batch.pack
-    output: torch.Tensor  # [seq_bucket, D]
-
-
-class GraphRunner:
+class GraphRunner(LazyGraphs):
     def __init__(self, forward: Callable[[RaggedBatch], torch.Tensor], device: torch.device, *, max_tokens: int, with_token_types: bool):
-        self.forward, self.device, self.max_tokens = forward, device, max_tokens
+        super().__init__(device, log, CAPTURE_LOG, FIRST_SIGHT_LOG)
+        self.forward, self.max_tokens = forward, max_tokens
         self.with_types = with_token_types
-        self.graphs: dict[tuple, _Graph] = {}
-        self.seen: set[tuple] = set()
-        self.pool = None
-        self.graph_memory_bytes = 0  # device memory reserved while capturing (reported, not a budget)
-        self.capture_seconds = 0.0  # host time spent capturing, all graphs
-        self.first_sight_seconds = 0.0  # host time spent launching first sights eagerly, all buckets
-        compile_watch.watch()
         # Callers keep up to two batches in flight and may launch a third before reading the
         # first: four pinned input buffers mean refilling one never waits on a running batch.
         self.staging = InputStaging(device, ring=4)
@@ -110,18 +97,9 @@ class GraphRunner:
         pack(host, key[0], key[1], out=self.staging.buffer(packed_size(key[0], key[1], self.with_types)))
         entry = self.graphs.get(key)
         if entry is None and key in self.seen:
-            entry = self._capture(key, self.staging.send())
+            entry = self.capture(key, self.staging.send(), lambda static: self.forward(self._views(static, key)))
         if entry is None:
-            self.seen.add(key)
-            started, cpu, (compiled, loaded) = time.perf_counter(), time.thread_time(), compile_watch.counts()
-            batch = self._views(self.staging.send(), key)
-            output = self.forward(batch)[: host.num_seqs]
-            took = time.perf_counter() - started
-            self.first_sight_seconds += took
-            now_compiled, now_loaded = compile_watch.counts()  # NOTE: process-wide: another engine's compiles would count too
-            log.info(FIRST_SIGHT_LOG, key[0], key[1] - 1, key[2], took * 1e3, (time.thread_time() - cpu) * 1e3,
-                     now_compiled - compiled, now_loaded - loaded)
-            return output
+            return self.first_sight(key, lambda: self.forward(self._views(self.staging.send(), key))[: host.num_seqs])
         self.staging.send(out=entry.static_input)
         entry.graph.replay()
         return entry.output[: host.num_seqs]
@@ -143,23 +121,8 @@ class GraphRunner:
         return views(packed, tokens, seqs, self.with_types, max_seqlen=max_seqlen, seq_lens_host=(),
                      single_sequence=seqs == 2, has_padding=not exact_single)
 
-    def _capture(self, key: tuple[int, int, int, bool], static: torch.Tensor) -> _Graph:
-        """`static`: this batch's packed input, already on the device; it becomes the graph's input buffer."""
-        started = time.perf_counter()
-        torch.cuda.empty_cache()  # capture empties the cache anyway; measure from the same point
-        before = torch.cuda.memory_reserved(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = self.forward(self._views(static, key))
-        self.pool = graph.pool()
-        self.graph_memory_bytes += torch.cuda.memory_reserved(self.device) - before
-        entry = _Graph(graph, static, output)
-        self.graphs[key] = entry
-        took = time.perf_counter() - started
-        self.capture_seconds += took
-        log.info(CAPTURE_LOG, key[0], key[1] - 1, key[2], took * 1e3, len(self.graphs), self.graph_memory_bytes / 2**20)
-        return entry
+    def log_fields(self, key: tuple[int, int, int, bool]) -> tuple[int, int, int]:
+        return key[0], key[1] - 1, key[2]  # tokens, sequences (the dummy's place left out), longest
 
     def stats(self) -> dict:
-        return {"graphs": len(self.graphs), "graph_memory_bytes": self.graph_memory_bytes, "capture_seconds": round(self.capture_seconds, 4),
-                "first_sight_seconds": round(self.first_sight_seconds, 4), "max_tokens": self.max_tokens}
+        return {"graphs": len(self.graphs), **self.cost(), "max_tokens": self.max_tokens}

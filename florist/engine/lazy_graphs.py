@@ -1,0 +1,90 @@
+"""The cycle every lazily captured CUDA graph runner shares, and what it costs.
+
+    graph = self.graphs.get(key)                      captured: copy inputs in, graph.replay()
+    key in self.seen                                  second sight: self.capture(key, static, forward)
+    otherwise                                         first sight: self.first_sight(key, launch)
+
+The runners (graph_runner.py for embeddings; generation/prefill_graphs.py and decode_graphs.py)
+subclass `LazyGraphs` and keep what is theirs: the key (a bucket), the static input's layout and
+the forward. This holds the rest: the seen-set, the captured graphs, their one memory pool, and
+the accounting. A capture stalls the step that makes it (tens of ms) and a first sight may wait
+for Triton to compile (on the H200 a new bucket compiled three or four kernels and held its step
+for 0.85-1.7 s: docs/benchmarks.md, "The stall's cause"), so both are timed and logged, a first
+sight with the Triton kernels compiled meanwhile (kernels/compile_watch.py). `graph_memory_bytes`
+sums the device memory reserved while capturing (reported, not a budget).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Hashable, TypeVar
+
+import torch
+
+from florist.kernels import compile_watch
+
+T = TypeVar("T")
+
+
+@dataclass
+class CapturedGraph:
+    """A graph's whole static state: the input buffer it reads and the output it writes."""
+
+    graph: torch.cuda.CUDAGraph
+    static_input: torch.Tensor
+    output: torch.Tensor
+
+
+class LazyGraphs:
+    """A subclass passes its module's logger and two log formats: `capture_log` takes the key's
+    fields (`log_fields(key)`, which it defines), then ms, graphs and MiB; `first_sight_log` the
+    key's fields, then launch ms, this thread's CPU ms, Triton kernels compiled and loaded."""
+
+    def __init__(self, device: torch.device, log: logging.Logger, capture_log: str, first_sight_log: str):
+        self.device, self.log, self.capture_log, self.first_sight_log = device, log, capture_log, first_sight_log
+        self.graphs: dict[Hashable, CapturedGraph] = {}
+        self.seen: set[Hashable] = set()
+        self.pool = None  # one memory pool for all of this runner's graphs
+        self.graph_memory_bytes = 0  # device memory reserved while capturing (reported, not a budget)
+        self.capture_seconds = 0.0  # host time spent capturing, all graphs
+        self.first_sight_seconds = 0.0  # host time spent launching first sights eagerly, all buckets
+        compile_watch.watch()
+
+    def log_fields(self, key) -> tuple:
+        raise NotImplementedError
+
+    def first_sight(self, key, launch: Callable[[], T]) -> T:
+        """Run a bucket's first step eagerly (`launch`), timed and logged; its second sight captures."""
+        self.seen.add(key)
+        started, cpu, (compiled, loaded) = time.perf_counter(), time.thread_time(), compile_watch.counts()
+        out = launch()
+        took = time.perf_counter() - started
+        self.first_sight_seconds += took
+        now_compiled, now_loaded = compile_watch.counts()  # NOTE: process-wide: another engine's compiles would count too
+        self.log.info(self.first_sight_log, *self.log_fields(key), took * 1e3, (time.thread_time() - cpu) * 1e3,
+                      now_compiled - compiled, now_loaded - loaded)
+        return out
+
+    def capture(self, key, static_input: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor]) -> CapturedGraph:
+        """Record `forward(static_input)` into this runner's pool. Capturing only records work:
+        the caller replays the graph for the step that asked for it."""
+        started = time.perf_counter()
+        torch.cuda.empty_cache()  # capture empties the cache anyway; measure from the same point
+        before = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = forward(static_input)
+        self.pool = graph.pool()
+        self.graph_memory_bytes += torch.cuda.memory_reserved(self.device) - before
+        entry = self.graphs[key] = CapturedGraph(graph, static_input, output)
+        took = time.perf_counter() - started
+        self.capture_seconds += took
+        self.log.info(self.capture_log, *self.log_fields(key), took * 1e3, len(self.graphs), self.graph_memory_bytes / 2**20)
+        return entry
+
+    def cost(self, prefix: str = "") -> dict:
+        """The accounting, for a runner's stats(): graph memory and host seconds."""
+        return {f"{prefix}graph_memory_bytes": self.graph_memory_bytes, f"{prefix}capture_seconds": round(self.capture_seconds, 4),
+                f"{prefix}first_sight_seconds": round(self.first_sight_seconds, 4)}
