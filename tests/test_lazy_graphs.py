@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from florist.engine.batch import HostBatch
+from florist.engine.generation.batch import pack_prefill
+from florist.engine.generation.decode_graphs import DecodeGraphRunner
+from florist.engine.generation.prefill_graphs import PrefillGraphRunner
 from florist.engine.graph_runner import CAPTURE_LOG, FIRST_SIGHT_LOG, GraphRunner, bucket
+from florist.engine.staging import InputStaging
 
 MIB = 2**20
 
@@ -50,6 +54,62 @@ def fake_cuda(monkeypatch):
 
 def messages(caplog, start: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith(start)]
+
+
+def test_decode_graphs_log_first_sights_and_captures_and_count_their_memory(fake_cuda, caplog):
+    calls = []
+
+    def forward(packed, rows, max_context_len):
+        calls.append((rows, max_context_len))
+        return packed[:rows].long() + 1
+
+    runner = DecodeGraphRunner(forward, torch.device("cpu"), max_num_seqs=8, max_len=64)
+    inputs = torch.arange(3 * 4 + 1, dtype=torch.int32)
+    with caplog.at_level(logging.INFO, logger="florist.engine.generation.decode_graphs"):
+        first, read = runner.run(inputs, 4)  # first sight: eager
+        assert read is inputs and torch.equal(first, inputs[:4].long() + 1) and not runner.graphs
+        captured, read = runner.run(inputs, 4)  # second sight: captured, then replayed
+        entry = runner.graphs[4]
+        assert read is entry.static_input and read is not inputs and captured is entry.output and entry.graph.replays == 1
+        assert runner.run(entry.static_input, 4)[0] is entry.output and entry.graph.replays == 2  # pipelined: inputs already there
+        runner.run(torch.arange(3 * 2 + 1, dtype=torch.int32), 2)
+    assert calls == [(4, 64), (4, 64), (2, 64)]  # graphs and first sights both at max_len: one shape per bucket
+    first_sights = messages(caplog, "ran a first-sight decode eagerly for ")
+    assert [m.split(":")[0] for m in first_sights] == ["ran a first-sight decode eagerly for 4 rows", "ran a first-sight decode eagerly for 2 rows"]
+    assert all("Triton kernels compiled" in m for m in first_sights)
+    capture = messages(caplog, "captured a decode CUDA graph")
+    assert len(capture) == 1 and capture[0].startswith("captured a decode CUDA graph for 4 rows in ") and capture[0].endswith("(1 decode graphs, 2 MiB)")
+    stats = runner.stats()
+    assert stats["decode_graphs"] == [4] and stats["decode_graph_memory_bytes"] == 2 * MIB
+    assert stats["decode_capture_seconds"] >= 0 and stats["decode_first_sight_seconds"] >= 0 and stats["buckets"] == [1, 2, 4, 8]
+
+
+def test_prefill_graphs_log_first_sights_and_captures_and_count_their_memory(fake_cuda, caplog):
+    keys = []
+
+    def forward(static, key):
+        keys.append(key)
+        return torch.zeros(key[1], dtype=torch.int64)
+
+    runner = PrefillGraphRunner(forward, InputStaging(torch.device("cpu")), max_tokens=512, max_len=256, scratch_slot=4)
+    packed = pack_prefill([[1, 2, 3], [4, 5]], [0, 1], 256)
+    with caplog.at_level(logging.INFO, logger="florist.engine.generation.prefill_graphs"):
+        for _ in range(3):  # first sight, capture (and replay), replay
+            runner.run(packed, 5, 2, (3, 2))
+        packed = pack_prefill([[7] * 100], [2], 256)
+        for _ in range(2):
+            runner.run(packed, 100, 1, (100,))
+    assert keys == [(64, 4, 64, False)] * 2 + [(128, 2, 128, False)] * 2
+    first_sights = messages(caplog, "ran a first-sight prefill eagerly for ")
+    assert [m.split(":")[0] for m in first_sights] == ["ran a first-sight prefill eagerly for 64 tokens, up to 3 prompts, longest 64",
+                                                      "ran a first-sight prefill eagerly for 128 tokens, up to 1 prompts, longest 128"]
+    captures = messages(caplog, "captured a prefill CUDA graph for ")
+    assert len(captures) == 2 and captures[1].endswith("(2 prefill graphs, 4 MiB)")
+    assert runner.graphs[(64, 4, 64, False)].graph.replays == 2
+    assert fake_cuda["pools"] == [None, "the pool"]  # one pool for all of this runner's graphs
+    stats = runner.stats()
+    assert stats["prefill_graphs"] == [(64, 4, 64, False), (128, 2, 128, False)] and stats["prefill_graph_memory_bytes"] == 4 * MIB
+    assert {"prefill_capture_seconds", "prefill_first_sight_seconds", "max_tokens"} <= set(stats)
 
 
 def test_embedding_graphs_keep_their_log_lines_and_stats(fake_cuda, caplog):

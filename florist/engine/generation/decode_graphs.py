@@ -6,22 +6,31 @@
     second sight             -> capture a graph into the shared memory pool, then replay it
     later                    -> inputs into the static buffer (unless already there), replay
 
-A graph's whole static state is one `_DecodeGraph`: the packed int32 input it reads (ids |
-positions | slots, see generation/batch.py) and the next-token ids it writes. Everything between
+A graph's whole static state is one `CapturedGraph` (lazy_graphs.py): the packed int32 input it
+reads (ids | positions | slots, see generation/batch.py) and the next-token ids it writes. Everything between
 (embedding, layers, cache writes, attention over the cache, LM head, greedy pick) is captured;
 padding rows use the scratch slot, so they are harmless by construction. The runner copies a
 host-packed step straight into `static_input` (`static_input(rows)`), and a pipelined step
-advances `static_input` in place from `next_tokens` (batch.advance_decode) before the replay, so
+advances `static_input` in place from the next ids (batch.advance_decode) before the replay, so
 neither costs a device-to-device copy. Under tensor parallelism every rank sees the same steps,
 so every rank captures the same bucket at the same step and the captured collectives line up.
+Captures and first sights are timed and logged, and the memory the graphs hold is summed in
+`stats()`, as for the embedding graphs (florist/engine/lazy_graphs.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 from typing import Callable
 
 import torch
+
+from florist.engine.lazy_graphs import LazyGraphs
+
+log = logging.getLogger(__name__)
+CAPTURE_LOG = "captured a decode CUDA graph for %d rows in %.1f ms (%d decode graphs, %.0f MiB)"
+FIRST_SIGHT_LOG = ("ran a first-sight decode eagerly for %d rows: launched in %.1f ms "
+                   "(%.1f ms of this thread's CPU; Triton kernels compiled %d, loaded from its cache %d)")
 
 # (packed int32 inputs on the device, rows, max_context_len) -> next ids int64 [rows]
 DecodeForward = Callable[[torch.Tensor, int, int], torch.Tensor]
@@ -35,20 +44,11 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
 
 
-@dataclass
-class _DecodeGraph:
-    graph: torch.cuda.CUDAGraph
-    static_input: torch.Tensor  # int32 [3 * rows + 1]
-    next_tokens: torch.Tensor  # int64 [rows]
-
-
-class DecodeGraphRunner:
+class DecodeGraphRunner(LazyGraphs):
     def __init__(self, forward: DecodeForward, device: torch.device, *, max_num_seqs: int, max_len: int):
-        self.forward, self.device, self.max_len = forward, device, max_len
+        super().__init__(device, log, CAPTURE_LOG, FIRST_SIGHT_LOG)
+        self.forward, self.max_len = forward, max_len
         self.buckets = decode_buckets(max_num_seqs)
-        self.graphs: dict[int, _DecodeGraph] = {}
-        self.seen: set[int] = set()
-        self.pool = None
 
     def bucket(self, num_seqs: int) -> int:
         for size in self.buckets:
@@ -69,25 +69,17 @@ class DecodeGraphRunner:
             raise ValueError(f"a decode buffer of {inputs.shape[0]} values is not padded to a bucket ({self.buckets})")
         entry = self.graphs.get(rows)
         if entry is None and rows in self.seen:
-            entry = self._capture(rows, inputs)
+            entry = self.capture(rows, inputs.clone(), lambda static: self.forward(static, rows, self.max_len))
         if entry is None:
-            self.seen.add(rows)
             # max_context_len = max_len: the same shapes the graph will have.
-            return self.forward(inputs, rows, self.max_len), inputs
+            return self.first_sight(rows, lambda: self.forward(inputs, rows, self.max_len)), inputs
         if inputs is not entry.static_input:
             entry.static_input.copy_(inputs)
         entry.graph.replay()
-        return entry.next_tokens, entry.static_input
+        return entry.output, entry.static_input
 
-    def _capture(self, rows: int, inputs: torch.Tensor) -> _DecodeGraph:
-        static = inputs.clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            next_tokens = self.forward(static, rows, self.max_len)
-        self.pool = graph.pool()
-        entry = _DecodeGraph(graph, static, next_tokens)
-        self.graphs[rows] = entry
-        return entry  # capturing only records work: run() replays it for this step
+    def log_fields(self, rows: int) -> tuple[int]:
+        return (rows,)
 
     def stats(self) -> dict:
-        return {"decode_graphs": sorted(self.graphs), "buckets": self.buckets}
+        return {"decode_graphs": sorted(self.graphs), **self.cost("decode_"), "buckets": self.buckets}

@@ -18,13 +18,13 @@ The padding tokens form a dummy sequence whose k/v go to the KV cache's scratch 
 sequences after it are sliced off by the caller (it reads the first B). Prefills above `max_tokens`
 run eagerly (there the GPU time hides the launches; florist/engine/runner.py: default_graph_max_tokens). The
 pool is apart from the decode graphs': a decode graph's next ids must survive a prefill replay.
+Captures and first sights are timed and logged, and the memory the graphs hold is summed in
+`stats()`, as for the embedding graphs (florist/engine/lazy_graphs.py).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -32,30 +32,24 @@ import torch
 
 from florist.engine.generation.batch import pad_prefill
 from florist.engine.graph_runner import bucket_of, token_bucket
+from florist.engine.lazy_graphs import LazyGraphs
 from florist.engine.staging import InputStaging
 
 log = logging.getLogger(__name__)
+CAPTURE_LOG = "captured a prefill CUDA graph for %d tokens, up to %d prompts, longest %d, in %.1f ms (%d prefill graphs, %.0f MiB)"
+FIRST_SIGHT_LOG = ("ran a first-sight prefill eagerly for %d tokens, up to %d prompts, longest %d: launched in %.1f ms "
+                   "(%.1f ms of this thread's CPU; Triton kernels compiled %d, loaded from its cache %d)")
 
 Key = tuple[int, int, int, bool]  # (tokens, sequences, longest, exact single): graph_runner.bucket_of
 # (padded packed int32 inputs on the device, bucket) -> next ids int64 [sequences of the bucket]
 PrefillForward = Callable[[torch.Tensor, Key], torch.Tensor]
 
 
-@dataclass
-class _PrefillGraph:
-    graph: torch.cuda.CUDAGraph
-    static_input: torch.Tensor  # int32, batch.pad_prefill's layout
-    next_tokens: torch.Tensor  # int64 [sequences of the bucket]
-
-
-class PrefillGraphRunner:
+class PrefillGraphRunner(LazyGraphs):
     def __init__(self, forward: PrefillForward, staging: InputStaging, *, max_tokens: int, max_len: int, scratch_slot: int):
+        super().__init__(staging.device, log, CAPTURE_LOG, FIRST_SIGHT_LOG)
         self.forward, self.staging = forward, staging
         self.max_tokens, self.max_len, self.scratch_slot = max_tokens, max_len, scratch_slot
-        self.graphs: dict[Key, _PrefillGraph] = {}
-        self.seen: set[Key] = set()
-        self.pool = None
-        self.capture_seconds = 0.0
 
     def applies(self, num_tokens: int) -> bool:
         """At most max_tokens, and the padding fits in the scratch slot."""
@@ -70,27 +64,15 @@ class PrefillGraphRunner:
                     out=self.staging.buffer(4 * tokens + seqs + 1))
         entry = self.graphs.get(key)
         if entry is None and key in self.seen:
-            entry = self._capture(key, self.staging.send())
+            entry = self.capture(key, self.staging.send(), lambda static: self.forward(static, key))
         if entry is None:
-            self.seen.add(key)
-            return self.forward(self.staging.send(), key)
+            return self.first_sight(key, lambda: self.forward(self.staging.send(), key))
         self.staging.send(out=entry.static_input)
         entry.graph.replay()
-        return entry.next_tokens
+        return entry.output
 
-    def _capture(self, key: Key, static: torch.Tensor) -> _PrefillGraph:
-        started = time.perf_counter()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            next_tokens = self.forward(static, key)
-        self.pool = graph.pool()
-        entry = _PrefillGraph(graph, static, next_tokens)
-        self.graphs[key] = entry
-        took = time.perf_counter() - started
-        self.capture_seconds += took
-        log.info("captured a prefill CUDA graph for %d tokens, up to %d prompts, longest %d, in %.1f ms (%d prefill graphs)",
-                 key[0], key[1] - 1, key[2], took * 1e3, len(self.graphs))
-        return entry  # capturing only records work: run() replays it for this step
+    def log_fields(self, key: Key) -> tuple[int, int, int]:
+        return key[0], key[1] - 1, key[2]  # tokens, prompts (the dummy's place left out), longest
 
     def stats(self) -> dict:
-        return {"prefill_graphs": sorted(self.graphs), "prefill_capture_seconds": round(self.capture_seconds, 4), "max_tokens": self.max_tokens}
+        return {"prefill_graphs": sorted(self.graphs), **self.cost("prefill_"), "max_tokens": self.max_tokens}
