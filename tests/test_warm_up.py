@@ -1,7 +1,10 @@
-"""Engine.warm_up: the batch shapes an engine server runs before serving with --warm-up (so
-kernels compile at start-up, not while a request of a new shape waits), and the flag."""
+"""Engine.warm_up and Generator.warm_up: the batch shapes (and, for a causal LM, the prefill and
+decode steps) an engine server runs before serving with --warm-up, so kernels compile at start-up,
+not while a request of a new shape waits; and the flag."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -9,6 +12,7 @@ import torch
 
 import florist
 from florist.engine.engine import warm_up_shapes
+from florist.engine.generation.config import GenerationConfig
 
 
 def test_the_shapes_span_the_token_counts_with_one_sequence_and_eight():
@@ -96,3 +100,103 @@ def test_engine_server_warms_up_by_default_and_only_on_a_gpu(caplog):
     lm = Fake("cuda:0", task="generate")
     prepare(lm, p.parse_args([]))
     assert lm.calls == []
+
+
+# -- generation ----------------------------------------------------------------------------------
+def test_generation_rounds_meet_every_prefill_and_decode_bucket():
+    from florist.engine.generation.decode_graphs import decode_buckets
+    from florist.engine.generation.generator import warm_up_rounds
+    from florist.engine.graph_runner import seq_bucket, token_bucket
+
+    for max_tokens, max_prompt_len, slots in ((8192, 4094, 32), (256, 254, 8), (1000, 510, 100), (64, 62, 3), (4096, 2046, 1)):
+        rounds = warm_up_rounds(max_tokens, max_prompt_len, slots)
+        assert all(len(r) <= slots and max(r) <= max_prompt_len and min(r) >= 1 for r in rounds)
+        assert len({tuple(r) for r in rounds}) == len(rounds)
+        sizes = decode_buckets(slots)
+        assert {next(b for b in sizes if b >= len(r)) for r in rounds} == set(sizes), (max_tokens, slots)  # every decode bucket
+        assert {seq_bucket(len(r)) for r in rounds} >= {seq_bucket(n) for n in range(1, slots + 1) if 16 * n <= max_tokens}
+        reachable = {token_bucket(t) for t in (64 << k for k in range(20)) if t <= min(max_tokens, slots * max_prompt_len)}
+        assert {token_bucket(sum(r)) for r in rounds} >= reachable, (max_tokens, slots)  # every doubling of the token count
+    rounds = warm_up_rounds(8192, 4094, 32)
+    assert [len(r) for r in rounds if set(r) == {16}] == [1, 2, 4, 8, 16, 32, 12, 24]  # 12 and 24: decode buckets alone
+    assert max(sum(r) for r in rounds) == 8192 and [r for r in rounds if len(r) == 1 and r[0] > 16][-1] == [2048]
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory):
+    from test_generation import make_causal_lm
+
+    return make_causal_lm(tmp_path_factory.mktemp("qwen3-causal-lm-warm-up"), tie=True)
+
+
+def test_generation_warm_up_runs_every_bucket_and_leaves_the_generator_clean(lm_dir):
+    """Every round goes through the step API rank 0 broadcasts at TP > 1 (a stand-in records the
+    broadcasts), every decode size and prefill round runs, and afterwards the generator is empty
+    and gives transformers' tokens, pipelined, as without the warm-up."""
+    from test_generation import NEW_TOKENS, prompts_for, reference
+    from florist.engine.generation.generator import warm_up_rounds
+    from florist.engine.generation.runner import DECODE, PREFILL
+
+    engine = florist.Engine.from_pretrained(lm_dir, device="cpu", generation=GenerationConfig(max_num_seqs=8, max_model_len=256))
+    gen = engine.runner
+    prompts = prompts_for(lm_dir, (1, 5, 17, 40, 64, 3, 9, 30), seed=5)
+    before = [r.token_ids for r in engine.generate(prompts, max_tokens=NEW_TOKENS)]
+    executed, sent = [], []
+    execute = gen.runner.execute
+    gen.runner.execute = lambda kind, packed, t, b: executed.append((kind, t, b)) or execute(kind, packed, t, b)
+    gen.tp = SimpleNamespace(send=lambda kind, packed, t, b: sent.append((kind, t, b)))
+    done = gen.warm_up(256)
+    gen.tp = None
+    rounds = warm_up_rounds(256, 254, 8)
+    assert sent == executed  # every step went to the other ranks too
+    assert [(t, b) for kind, t, b in executed if kind == PREFILL] == [(sum(r), len(r)) for r in rounds]
+    assert [b for kind, _, b in executed if kind == DECODE] == [len(r) for r in rounds]  # one decode per round, no pipelined step
+    assert {b for kind, _, b in executed if kind == DECODE} == {1, 2, 4, 8}
+    assert done["rounds"] == len(rounds) and done["steps"] == len(executed) == 2 * len(rounds)
+    assert done["max_tokens"] == 256 and done["max_seqs"] == 8 and done["decode_rows"] == [1, 2, 4, 8] and done["seconds"] > 0
+    assert not gen.has_work and gen._in_flight is None and gen.scheduler.free_slots == 8
+    assert not gen.scheduler.running and not gen.scheduler.waiting
+    gen.runner.execute = execute
+    after = [r.token_ids for r in engine.generate(prompts, max_tokens=NEW_TOKENS)]
+    assert after == before == reference(lm_dir, prompts)
+
+
+def test_generation_warm_up_defaults_and_refuses_a_busy_generator(lm_dir):
+    engine = florist.Engine.from_pretrained(lm_dir, device="cpu", generation=GenerationConfig(max_num_seqs=4, max_model_len=128, max_prefill_tokens=300))
+    gen = engine.runner
+    done = gen.warm_up()  # CPU: no prefill graphs, so up to max_prefill_tokens, in 4 prompts (the slots) of at most 126 tokens
+    assert 256 < done["max_tokens"] <= 300 and done["max_seqs"] == 4 and done["decode_rows"] == [1, 2, 4]
+    seq = gen.submit([1, 2, 3], 4)
+    with pytest.raises(RuntimeError, match="warm up before serving"):
+        gen.warm_up()
+    gen.step()
+    assert seq.output and not seq.finished
+
+
+def test_generation_warm_up_at_tensor_parallel_two_over_gloo(lm_dir):
+    """TP 2 (rank 1 spawned): the warm-up's steps reach the worker (else the model's collectives
+    would wait forever), and the tokens after it are transformers'."""
+    import json
+    import subprocess
+    import sys
+
+    from test_generation import ROOT, prompts_for, reference
+
+    prompts = prompts_for(lm_dir, (1, 9, 33), seed=2)
+    script = (
+        "import json, sys, florist\n"
+        "from florist.engine.generation.config import GenerationConfig\n"
+        "engine = florist.Engine.from_pretrained(sys.argv[1], device='cpu', tensor_parallel_size=2,\n"
+        "                                        generation=GenerationConfig(max_num_seqs=4, max_model_len=128))\n"
+        "try:\n"
+        "    done = engine.runner.warm_up(128)\n"
+        "    results = engine.generate(json.loads(sys.argv[2]), max_tokens=16)\n"
+        "finally:\n"
+        "    engine.close()\n"
+        "print(json.dumps({'done': done, 'token_ids': [r.token_ids for r in results]}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(lm_dir), json.dumps(prompts)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["done"]["decode_rows"] == [1, 2, 4] and out["done"]["max_tokens"] == 128
+    assert out["token_ids"] == reference(lm_dir, prompts, 16)

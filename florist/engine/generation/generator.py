@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence as Seq
 
@@ -47,11 +48,15 @@ import torch
 
 from florist.engine.generation.batch import pack_decode, pack_prefill
 from florist.engine.generation.config import GenerationConfig
+from florist.engine.generation.decode_graphs import decode_buckets
 from florist.engine.generation.runner import ADVANCE, DECODE, PREFILL, GenerationRunner
 from florist.engine.generation.scheduler import RUNNING, GenerationScheduler, Sequence, Step
+from florist.engine.engine import warm_up_shapes
 from florist.engine.staging import PendingTokens
 from florist.engine.model_dir import ModelDir
 from florist.text import InputError
+
+WARM_UP_NEW_TOKENS = 2  # per warm-up sequence: its prefill, then one decode step
 
 
 def eos_token_ids(model_dir: ModelDir) -> frozenset[int]:
@@ -63,6 +68,29 @@ def eos_token_ids(model_dir: ModelDir) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset(int(t) for t in (eos if isinstance(eos, list) else [eos]))
+
+
+def warm_up_rounds(max_tokens: int, max_prompt_len: int, max_num_seqs: int) -> list[list[int]]:
+    """The prompt lengths of Generator.warm_up's rounds. A round's prompts are prefilled in one
+    step (several where they pass max_prefill_tokens), then decoded together in one step.
+
+    - Prefills: Engine.warm_up's batch shapes (engine.warm_up_shapes): at 64 tokens doubling up
+      to max_tokens one prompt and eight, and 1, 2, 4, ... up to max_num_seqs prompts of 16
+      tokens, so every sequence bucket of the prefill graphs is met. With fewer than eight slots
+      the eight prompts become one per slot, of the same total where they can hold it.
+    - Decodes: a round of B prompts decodes B sequences; a round of B prompts of 16 tokens is
+      added for every decode bucket B (decode_graphs.decode_buckets) those rounds miss.
+    """
+    rounds: list[list[int]] = []
+    for lengths in warm_up_shapes(max_tokens, max_prompt_len, max_num_seqs):
+        if len(lengths) > max_num_seqs:
+            total, n = min(sum(lengths), max_num_seqs * max_prompt_len), max_num_seqs
+            lengths = [total // n + (i < total % n) for i in range(n)]
+        if lengths not in rounds:
+            rounds.append(lengths)
+    sizes = decode_buckets(max_num_seqs)
+    met = {next(b for b in sizes if b >= len(r)) for r in rounds}
+    return rounds + [[min(16, max_prompt_len)] * b for b in sizes if b not in met]
 
 
 @dataclass
@@ -169,6 +197,32 @@ class Generator:
         while not all(s.finished for s in seqs):
             self.step()
         return seqs
+
+    def warm_up(self, max_tokens: int | None = None) -> dict:
+        """Before serving: a prefill of every bucket up to max_tokens (default: the prefill graph
+        threshold, at most max_prefill_tokens) and a few prompt counts, and a decode of every
+        decode bucket (warm_up_rounds), so that their kernels compile now rather than while a
+        stream waits. Each bucket gets its first sight (eager); it is captured when traffic
+        brings it again. The rounds go through submit / step like any request, so at TP > 1 every
+        rank runs the same steps (and meets the same buckets). Afterwards nothing is queued or
+        running and every slot is free; the k/v it leaves in the slots are never attended to (a
+        prefill writes a slot from position 0, a decode attends to its sequence's length only).
+        Returns what ran and how long it took."""
+        if self.has_work:
+            raise RuntimeError("warm up before serving: this generator has sequences queued or running")
+        started = time.perf_counter()
+        graphs = self.runner.prefill_graphs
+        limit = self.config.max_prefill_tokens if graphs is None else min(self.config.max_prefill_tokens, graphs.max_tokens)
+        new_tokens = min(WARM_UP_NEW_TOKENS, self.max_len - 1)
+        rounds = warm_up_rounds(max_tokens or limit, self.max_len - new_tokens, self.config.max_num_seqs)
+        rng, vocab, steps = np.random.default_rng(0), self.model_dir.config.vocab_size, 0
+        for lengths in rounds:
+            seqs = [self.submit(rng.integers(0, vocab, size=n).tolist(), new_tokens, ignore_eos=True) for n in lengths]
+            while not all(s.finished for s in seqs):
+                self.step()
+                steps += 1
+        return {"rounds": len(rounds), "steps": steps, "max_tokens": max(sum(r) for r in rounds), "max_seqs": max(len(r) for r in rounds),
+                "decode_rows": sorted({self.runner.decode_rows(len(r)) for r in rounds}), "seconds": time.perf_counter() - started}
 
     def _drain_inbox(self) -> None:
         while True:
