@@ -67,7 +67,6 @@ def test_warm_up_runs_every_shape_and_leaves_the_engine_as_it_was(tmp_path, geom
 
 def test_engine_server_warms_up_by_default_and_only_on_a_gpu(caplog):
     import argparse
-    from types import SimpleNamespace
 
     from florist.server.cli import add_arguments, prepare
 
@@ -76,9 +75,20 @@ def test_engine_server_warms_up_by_default_and_only_on_a_gpu(caplog):
     assert p.parse_args([]).warm_up is True
     assert p.parse_args(["--no-warm-up"]).warm_up is False
 
+    class FakeGenerator:
+        config = GenerationConfig(max_num_seqs=24)
+
+        def __init__(self, calls):
+            self.calls = calls
+
+        def warm_up(self):
+            self.calls.append("generator.warm_up")
+            return {"rounds": 3, "steps": 6, "max_tokens": 512, "max_seqs": 24, "decode_rows": [1, 12, 24], "seconds": 0.0}
+
     class Fake:
         def __init__(self, device, task="embed"):
             self.info, self.max_batch_tokens, self.calls = SimpleNamespace(device=device, task=task), 4096, []
+            self.runner = FakeGenerator(self.calls)
 
         def warm_up(self, max_tokens, max_seqs):
             self.calls.append(("warm_up", max_tokens, max_seqs))
@@ -97,9 +107,15 @@ def test_engine_server_warms_up_by_default_and_only_on_a_gpu(caplog):
     said = [r.getMessage() for r in caplog.records if r.name == "florist.server"]
     assert len(said) == 2 and said[0].startswith("warming up: batch shapes up to 1000 tokens and 256 sequences")
     assert said[1].startswith("warmed up 1 batch shapes")  # before and after, so a long start-up says what it is doing
-    lm = Fake("cuda:0", task="generate")
-    prepare(lm, p.parse_args([]))
-    assert lm.calls == []
+    caplog.clear()
+    # A causal LM: the generation warm-up on a GPU with --warm-up; nothing otherwise (not even the small batch).
+    for device, argv, expected in (("cuda:0", [], ["generator.warm_up"]), ("cuda", ["--no-warm-up"], []), ("cpu", [], [])):
+        lm = Fake(device, task="generate")
+        prepare(lm, p.parse_args(argv))
+        assert lm.calls == expected, (device, argv)
+    said = [r.getMessage() for r in caplog.records if r.name == "florist.server"]
+    assert len(said) == 2 and said[0].startswith("warming up: a prefill of every bucket") and "up to 24 sequences" in said[0]
+    assert said[1] == "warmed up 3 prefill rounds up to 512 tokens and 24 prompts, decodes of 1, 12, 24 sequences (6 steps) in 0.0 s"
 
 
 # -- generation ----------------------------------------------------------------------------------

@@ -45,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gateway and engines talk gRPC only (by default an engine on this host also serves Embed / Score / Generate on a "
                         "Unix socket, which the gateway uses: less latency per request)")
     p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
-                   help="GPU engines run the batch shapes they will meet before serving, so kernels compile at start-up rather than while "
-                        "a request of a new shape waits (engine-server --warm-up; default: on; --no-warm-up starts faster)")
+                   help="GPU engines run the batch shapes they will meet before serving (a causal LM: its prefill and decode buckets), "
+                        "so kernels compile at start-up rather than while a request of a new shape waits (engine-server --warm-up; "
+                        "default: on; --no-warm-up starts faster)")
     p.add_argument("--workers", type=int, default=1, help="gateway processes (default 1)")
     p.add_argument("--api-key", default=os.environ.get("FLORIST_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $FLORIST_API_KEY; none: no key)")
     p.add_argument("--payload-limit", type=int, default=d.payload_limit_bytes, help=f"largest request body in bytes (default {d.payload_limit_bytes})")

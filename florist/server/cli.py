@@ -44,9 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "directory, printed at start; off: gRPC only)")
     p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, run the batch shapes a server meets before serving (one sequence of 64 tokens up to --max-batch-tokens, "
-                        "eight at each of those sizes, and 1 up to --max-batch-seqs short sequences), so that kernels compile then and not "
-                        "while a request of a new shape waits: on the H200 such a request waited 0.7-1.7 s (default: on; about 12 s at "
-                        "start with an empty Triton cache, docs/benchmarks.md)")
+                        "eight at each of those sizes, and 1 up to --max-batch-seqs short sequences; a causal LM: prefills of 64 tokens "
+                        "up to its prefill graph threshold and a decode step of every batch size bucket), so that kernels compile then "
+                        "and not while a request of a new shape waits: on the H200 such a request waited 0.7-1.7 s (default: on; about "
+                        "12 s at start for an embedding model with an empty Triton cache, docs/benchmarks.md)")
     p.add_argument("--timing-metadata", action="store_true",
                    help="reply with trailing metadata x-florist-timing: the handler's entry and exit (time.monotonic_ns), for latency breakdowns")
 
@@ -87,15 +88,18 @@ run_engine_server = run
 def prepare(engine, args: argparse.Namespace) -> None:
     """Before serving: on a GPU, the warm-up (--warm-up, the default), so kernels compile and plan
     now rather than while a request of a new shape waits; else one small batch, so the first
-    request does not pay for the device context and the allocator. A causal LM (Generate) is
-    served as it loaded."""
+    request does not pay for the device context and the allocator (a causal LM: nothing)."""
     from florist.engine.batch import HostBatch
     from florist.server.service import batch_token_budget
 
-    if engine.info.task not in ("embed", "score"):
+    log = logging.getLogger("florist.server")
+    warm_up = args.warm_up and engine.info.device.startswith("cuda")
+    if engine.info.task == "generate":
+        if warm_up:
+            _warm_up_generation(engine.runner, log)
         return
-    if args.warm_up and engine.info.device.startswith("cuda"):
-        budget, log = batch_token_budget(engine, args.max_batch_tokens), logging.getLogger("florist.server")
+    if warm_up:
+        budget = batch_token_budget(engine, args.max_batch_tokens)
         log.info("warming up: batch shapes up to %d tokens and %d sequences, so that their kernels compile now "
                  "(about 12-16 s with an empty Triton cache; --no-warm-up skips it)", budget, args.max_batch_seqs)
         done = engine.warm_up(budget, args.max_batch_seqs)
@@ -103,6 +107,17 @@ def prepare(engine, args: argparse.Namespace) -> None:
                                                  done["shapes"], done["max_tokens"], done["max_seqs"], done["seconds"])
     else:
         engine.step(HostBatch.from_sequences([[0] * 8], [4] if engine.info.task == "score" else None)).numpy()
+
+
+def _warm_up_generation(generator, log: logging.Logger) -> None:
+    """Generator.warm_up, said before and after (the Generate server's own settings: GenerationConfig)."""
+    config = generator.config
+    log.info("warming up: a prefill of every bucket up to the prefill graph threshold (at most %d tokens) and a decode step of every "
+             "batch size bucket up to %d sequences, so that their kernels compile now (--no-warm-up skips it)",
+             config.max_prefill_tokens, config.max_num_seqs)
+    done = generator.warm_up()
+    log.info("warmed up %d prefill rounds up to %d tokens and %d prompts, decodes of %s sequences (%d steps) in %.1f s",
+             done["rounds"], done["max_tokens"], done["max_seqs"], ", ".join(map(str, done["decode_rows"])), done["steps"], done["seconds"])
 
 
 def _run_loop(main):
