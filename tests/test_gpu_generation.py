@@ -1,7 +1,8 @@
 """Generation on the GPU (skipped without CUDA): decode graph replay equals eager, bit for bit;
 pipelined decode (inputs advanced on the device, step N+1 launched before step N is read) equals
 host packing bit for bit; whole runs through the graphs agree with transformers (fp32: the same
-tokens; bf16: every token is transformers' argmax up to bf16 rounding)."""
+tokens; bf16: every token is transformers' argmax up to bf16 rounding); after Generator.warm_up
+the buckets it met compile nothing and replay the tokens of an engine that did not warm up."""
 
 from __future__ import annotations
 
@@ -152,6 +153,65 @@ def test_fp32_pipelined_with_stops_joins_and_aborts_equal_transformers(lm_dir):
             assert s.output == want, f"sequence {i}"
     assert kinds.count(ADVANCE) > NEW_TOKENS
     assert gen.scheduler.free_slots == 3 and not gen.has_work
+
+
+def test_after_the_warm_up_covered_buckets_compile_nothing_and_replay_the_same_tokens(lm_dir, caplog):
+    """Generator.warm_up gives every decode bucket and its rounds' prefill buckets their first
+    sight (nothing captured yet). A run in covered buckets then captures and replays them with
+    no Triton kernel compiled or loaded (kernels/compile_watch.py) and no first sight, gives the
+    tokens of an engine that did not warm up, and the graphs' memory is reported."""
+    import logging
+
+    from florist.kernels import compile_watch
+
+    config = GenerationConfig(max_num_seqs=8, max_model_len=256)
+    prompts = prompts_for(lm_dir, (5, 17, 40), seed=4)  # prefill bucket (64 tokens, 4, 64): a warm-up round of 2 x 16 met it
+    cold = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype="bf16", generation=config)
+    want = [r.token_ids for r in cold.generate(prompts, max_tokens=NEW_TOKENS)]
+    cold.close()
+    engine = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype="bf16", generation=config)
+    gen, runner = engine.runner, engine.runner.runner
+    done = gen.warm_up()
+    assert done["decode_rows"] == runner.graphs.buckets == [1, 2, 4, 8] and runner.graphs.seen == {1, 2, 4, 8}
+    assert not runner.graphs.graphs and not runner.prefill_graphs.graphs  # first sights only
+    key = bucket_of(sum((5, 17, 40)), 3, 40)
+    assert key in runner.prefill_graphs.seen and not gen.has_work
+    assert compile_watch.watch(), "this Triton reports no compilations: nothing to check"
+    with caplog.at_level(logging.INFO, logger="florist.engine.generation"):
+        before = compile_watch.counts()
+        runs = [[r.token_ids for r in engine.generate(prompts, max_tokens=NEW_TOKENS)] for _ in range(2)]  # capture, then replay
+        torch.cuda.synchronize()
+        after = compile_watch.counts()
+    assert after == before, f"Triton kernels (compiled, loaded from its cache) after the warm-up: {before} -> {after}"
+    assert runs[0] == runs[1] == want
+    assert key in runner.prefill_graphs.graphs and 4 in runner.graphs.graphs
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if m.startswith("ran a first-sight")], said
+    assert [m for m in said if m.startswith("captured a prefill CUDA graph for 64 tokens, up to 3 prompts, longest 64, in ")], said
+    assert [m for m in said if m.startswith("captured a decode CUDA graph for 4 rows in ")], said
+    prefill, decode = runner.prefill_graphs.stats(), runner.graphs.stats()
+    assert prefill["prefill_graph_memory_bytes"] > 0 and decode["decode_graph_memory_bytes"] > 0, (prefill, decode)
+    assert prefill["prefill_first_sight_seconds"] > 0 and decode["decode_first_sight_seconds"] > 0  # the warm-up's
+    engine.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_warm_up_at_tensor_parallel_two_gpus(lm_dir):
+    """The warm-up's steps go through rank 0's broadcast: both ranks meet every decode bucket in
+    the same order (else the model's NCCL collectives would wait forever), so the captures that
+    follow line up; fp32 tokens equal transformers'."""
+    engine = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype="fp32", tensor_parallel_size=2,
+                                            generation=GenerationConfig(max_num_seqs=8, max_model_len=128))
+    try:
+        done = engine.runner.warm_up()
+        assert done["decode_rows"] == [1, 2, 4, 8] and engine.runner.runner.graphs.seen == {1, 2, 4, 8}
+        prompts = prompts_for(lm_dir, (1, 9, 33))
+        for _ in range(2):  # capture, then replay
+            results = engine.generate(prompts, max_tokens=NEW_TOKENS)
+        assert [r.token_ids for r in results] == reference(lm_dir, prompts)
+        assert 4 in engine.runner.runner.graphs.graphs
+    finally:
+        engine.close()
 
 
 def log_kinds(gen) -> list[int]:
