@@ -5,10 +5,11 @@
     batch.py         GenerationBatch: the per-step metadata, packed into one int32 buffer per step
     kv_cache.py      the slot-based KV cache and its binding to the attention layers
     decode_graphs.py decode steps replayed from CUDA graphs, one per batch-size bucket
+    prefill_graphs.py prefill steps replayed from CUDA graphs, bucketed like the embedding ones
     runner.py        one rank's model, cache and graphs: prefill / decode / decode_next (pipelined)
     tp.py            tensor parallel workers and the step broadcast from rank 0
     generator.py     scheduler + runner: submit / step / generate; pipelined decode (host and
-                     device in flight together)
+                     device in flight together); warm_up before serving
     detokenizer.py   incremental detokenization for streaming (no torch)
     cli.py           `florist generate`
 
