@@ -216,11 +216,10 @@ def test_auto_takes_the_short_kernel_where_it_was_measured_faster():
             assert _choice(make([128]), causal, width=qwen3) == "triton"
             assert _choice(make([1]), causal, width=qwen3) == "triton"
             assert _choice(make([256]), causal, width=minilm) == "triton"
-            assert _choice(make([1024]), causal, width=minilm) == "triton"
-            assert _choice(make([512]), causal, width=qwen3) == "triton"
-            assert _choice(make([300]), causal, width=qwen3) == "triton"  # graph bucket: 320 tokens, longest 512
-            assert _choice(make([1024]), causal, width=qwen3) != "triton"
-            assert _choice(make([600]), causal, width=qwen3) != "triton"
+            assert _choice(make([512]), causal, width=minilm) != "triton"
+            assert _choice(make([100]), causal, width=qwen3) == "triton"  # graph bucket: 128 tokens, longest 128
+            assert _choice(make([256]), causal, width=qwen3) != "triton"
+            assert _choice(make([512]), causal, width=qwen3) != "triton"
             # ragged batches of short sequences, whatever the width
             assert _choice(make([100, 7, 33]), causal, width=qwen3) == "triton"
             assert _choice(make([200, 150, 180, 90]), causal, width=qwen3) == "triton"
@@ -231,9 +230,9 @@ def test_auto_takes_the_short_kernel_where_it_was_measured_faster():
     assert _choice(_graph_batch([100] * 7)) == "triton"
     assert _choice(_eager_batch([128] * 8), width=12 * 32) == "sdpa_batched"
     # Above either bound the earlier choices stand.
-    assert _choice(_eager_batch([1100])) == "sdpa_batched"
-    assert _choice(_graph_batch([1100])) == "sdpa_single"  # causal single sequence over the bucket
-    assert _choice(_graph_batch([1100]), causal=False) == "varlen"
+    assert _choice(_eager_batch([257])) == "sdpa_batched"
+    assert _choice(_graph_batch([257])) == "sdpa_single"  # causal single sequence over the bucket
+    assert _choice(_graph_batch([257]), causal=False) == "varlen"
     assert _choice(_graph_batch([257, 5])) == "varlen"  # ragged, past SHORT_MAX_SEQLEN
     assert _choice(_eager_batch([128] * 9)) == "sdpa_batched"  # 1152 tokens
     assert _choice(_eager_batch([300, 5])) == "varlen"

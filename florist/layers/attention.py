@@ -136,10 +136,12 @@ def _triton_backend() -> AttentionFn:
 
 
 # Where the Triton kernel wins, from bench/attention.py on the H200 (CUDA graphs, docs/benchmarks.md):
-# - a single sequence while the score work is small: Qwen3-0.6B (16 x 128 per token) up to 512
-#   tokens (4.1 / 6.8 / 10.9 us at 128 / 256 / 512 against cuDNN's 7.3 / 8.9 / 12.5) but not at
-#   1,024 (26.2 vs 19.2); all-MiniLM-L6-v2 (12 x 32) up to 1,024 (5.8 / 13.0 us at 512 / 1,024
-#   against 9.1 / 13.9);
+# - a single sequence while the score work is small: Qwen3-0.6B (16 x 128 per token) up to 128
+#   tokens (4.1 us against cuDNN's 7.3) and all-MiniLM-L6-v2 (12 x 32) up to 256 (3.9 against
+#   6.8). Alone the kernel also wins at Qwen3's 256 and 512 tokens (6.8 / 10.9 us against 8.9 /
+#   12.5) and MiniLM's 512 / 1,024 (5.8 / 13.0 against 9.1 / 13.9), but in the engine Qwen3's
+#   1 x 512 step took 1.74-1.80 ms of device time with it against 1.69-1.72 with cuDNN (one
+#   machine, alternating; docs/benchmarks.md), so the bound stays where it was measured to pay;
 # - ragged batches of short sequences (4 <= 200 tokens: 8.4 us against varlen's 14.2 for Qwen3,
 #   4.9 against 9.1 for MiniLM; 8 <= 256 tokens: 9.1 against 20.2, 6.3 against 10.4);
 # - never equal-length batches (8 x 128: dense SDPA is faster for both models, and varlen too:
@@ -148,7 +150,7 @@ def _triton_backend() -> AttentionFn:
 SHORT_MAX_SEQLEN = 256  # ragged batches: longest sequence (a host bound: the graph bucket's)
 SHORT_MAX_TOKENS = 1024  # ragged batches: tokens in the batch, padding included
 SHORT_MAX_SEQS = 8  # sequences in a ragged batch (a graph bucket's dummy included)
-SHORT_SINGLE_MAX_WORK = 1 << 29  # one sequence: tokens x max_seqlen x (query heads x head_dim)
+SHORT_SINGLE_MAX_WORK = 1 << 26  # one sequence: tokens x max_seqlen x (query heads x head_dim)
 
 
 def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel: bool, width: int) -> str:
