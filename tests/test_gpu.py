@@ -169,22 +169,33 @@ def test_a_capture_while_another_thread_waits_on_a_batch(qwen3_dir):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_an_engine_on_the_other_gpu_runs_from_any_thread(qwen3_dir):
     """An engine on cuda:1 (what `florist serve` gives its second replica) runs from the loading
-    thread and from another one, whose current device is still cuda:0: eager, captured, replayed."""
+    thread and from another one, whose current device is still cuda:0: eager, captured, replayed,
+    after an engine on cuda:0 has captured graphs in the same process (torch's default capture
+    stream is made on the device current at a process's first capture: a runner must capture on
+    its own device's stream, else its graph is empty and replays return a stale output). Every
+    step has new ids, so a stale output cannot pass."""
     import threading
 
-    want = florist.Engine.from_pretrained(qwen3_dir, device="cuda:0").embed(TEXTS, truncate=True)
+    rng = np.random.default_rng(11)
+    on0 = florist.Engine.from_pretrained(qwen3_dir, device="cuda:0")
+    vocab = on0.info.vocab_size
+    hosts = [HostBatch.from_sequences([rng.integers(5, vocab, size=n) for n in (40, 23)]) for _ in range(8)]
+    for host in hosts[:3]:
+        on0.step(host).numpy()  # eager, capture, replay on cuda:0 first
+    want = [on0.step(host).numpy().copy() for host in hosts]
     engine = florist.Engine.from_pretrained(qwen3_dir, device="cuda:1")
     torch.cuda.set_device(0)
     got = {}
 
-    def embed(name):
-        got[name] = [engine.embed(TEXTS, truncate=True) for _ in range(3)]  # eager, capture, replay
+    def run(name, part):
+        got[name] = [engine.step(host).numpy().copy() for host in part]
 
-    embed("loading thread")
-    worker = threading.Thread(target=embed, args=("other thread",))
+    run("loading thread", hosts[:4])  # eager, capture, replay, replay
+    worker = threading.Thread(target=run, args=("other thread", hosts[4:]))
     worker.start()
     worker.join()
     assert set(got) == {"loading thread", "other thread"}, "the other thread failed (its error is printed above)"
-    for name, runs in got.items():
-        for run in runs:
-            assert cosine(run, want).min() >= 0.9999, name
+    for (name, outs), wants in zip(got.items(), (want[:4], want[4:])):
+        for out, expected in zip(outs, wants):
+            assert cosine(out, expected).min() >= 0.9999, name
+    assert engine.runner.graphs.stats()["graphs"] == 1

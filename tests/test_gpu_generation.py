@@ -283,3 +283,27 @@ def test_tensor_parallel_two_gpus_over_nccl(lm_dir):
     finally:
         engine.close()
     assert np.all([not p.is_alive() for p in engine.runner.tp.procs])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_florist_serve_at_tensor_parallel_two_gpus(lm_dir):
+    """`florist serve --tensor-parallel-size 2` on two GPUs, fp32, with its default warm-up: one
+    replica whose ranks meet over NCCL; completions of token-id prompts are transformers' greedy
+    tokens, and stopping the server stops both ranks."""
+    import openai
+    from florist_procs import serve
+
+    proc, url = serve("--model", str(lm_dir), "--dtype", "fp32", "--tensor-parallel-size", "2")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        prompts = prompts_for(lm_dir, (1, 9, 33))
+        for _ in range(2):  # capture, then replay
+            got = [client.completions.create(model=lm_dir.name, prompt=p, max_tokens=NEW_TOKENS, extra_body={"return_token_ids": True,
+                                                                                                     "ignore_eos": True}).choices[0].token_ids
+                   for p in prompts]
+        assert got == reference(lm_dir, prompts)
+    finally:
+        code = proc.stop()
+    assert code == 0, proc.output()[-3000:]
+    assert "Traceback" not in proc.output(), proc.output()[-3000:]
+    assert "warmed up" in proc.output(), proc.output()[-3000:]

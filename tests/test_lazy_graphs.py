@@ -40,12 +40,19 @@ def fake_cuda(monkeypatch):
     state = {"reserved": 100 * MIB, "pools": []}
 
     @contextlib.contextmanager
-    def graph(g, pool=None):
+    def graph(g, pool=None, stream=None):
         state["pools"].append(pool)
+        state["streams"].append(stream)
         state["reserved"] += 2 * MIB
         yield
 
+    class FakeStream:
+        def __init__(self, device=None):
+            self.device = device
+
+    state["streams"] = []
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
@@ -107,6 +114,8 @@ def test_prefill_graphs_log_first_sights_and_captures_and_count_their_memory(fak
     assert len(captures) == 2 and captures[1].endswith("(2 prefill graphs, 4 MiB)")
     assert runner.graphs[(64, 4, 64, False)].graph.replays == 2
     assert fake_cuda["pools"] == [None, "the pool"]  # one pool for all of this runner's graphs
+    # and one capture stream, made on the runner's own device (not torch's process-wide default)
+    assert fake_cuda["streams"][0] is fake_cuda["streams"][1] and fake_cuda["streams"][0].device == torch.device("cpu")
     stats = runner.stats()
     assert stats["prefill_graphs"] == [(64, 4, 64, False), (128, 2, 128, False)] and stats["prefill_graph_memory_bytes"] == 4 * MIB
     assert {"prefill_capture_seconds", "prefill_first_sight_seconds", "max_tokens"} <= set(stats)

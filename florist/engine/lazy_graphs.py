@@ -47,6 +47,7 @@ class LazyGraphs:
         self.graphs: dict[Hashable, CapturedGraph] = {}
         self.seen: set[Hashable] = set()
         self.pool = None  # one memory pool for all of this runner's graphs
+        self.capture_stream = None  # a side stream on this runner's device, made at the first capture
         self.graph_memory_bytes = 0  # device memory reserved while capturing (reported, not a budget)
         self.capture_seconds = 0.0  # host time spent capturing, all graphs
         self.first_sight_seconds = 0.0  # host time spent launching first sights eagerly, all buckets
@@ -74,7 +75,13 @@ class LazyGraphs:
         torch.cuda.empty_cache()  # capture empties the cache anyway; measure from the same point
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # NOTE: a stream of this runner's own device. Without one, torch.cuda.graph captures on
+        # one process-wide stream made on whichever device was current at the process's first
+        # capture: an engine on cuda:1 after a capture on cuda:0 then records an empty graph (its
+        # work runs outside it) and every replay returns a stale output.
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             output = forward(static_input)
         self.pool = graph.pool()
         self.graph_memory_bytes += torch.cuda.memory_reserved(self.device) - before
