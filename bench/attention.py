@@ -9,12 +9,12 @@ which for microsecond kernels mostly measures the host's launch cost):
 
     python bench/attention.py [--geometry minilm-l6] [--eager]
 
---sweep times the Triton kernel's tile sizes, warps and stages instead (`short_attention.block_sizes`
-and the launch's 4 warps / 2 stages are the defaults it tunes), at the short shapes it serves with
-the geometry's masking (Qwen3 causal, MiniLM bidirectional), each configuration checked against
-varlen first:
+--sweep times the Triton kernel's tiles, warps, stages and head packing instead (what
+`short_attention.launch_config` picks, from this sweep), at the short shapes it serves and a few
+longer ones with the geometry's masking (Qwen3 causal, MiniLM bidirectional), each configuration
+checked against varlen first, cuDNN and varlen timed beside them:
 
-    python bench/attention.py --sweep [--geometry minilm-l6]
+    python bench/attention.py --sweep [--geometry minilm-l6] [--json FILE]
 """
 
 from __future__ import annotations

@@ -203,8 +203,8 @@ class Generator:
         threshold, at most max_prefill_tokens) and a few prompt counts, and a decode of every
         decode bucket (warm_up_rounds), so that their kernels compile now rather than while a
         stream waits. Each bucket gets its first sight (eager); one met twice is captured here,
-        the others when traffic brings them again. The rounds go through submit / step like any request, so at TP > 1 every
-        rank runs the same steps (and meets the same buckets). Afterwards nothing is queued or
+        the others when traffic brings them again. The rounds go through submit / step like any
+        request, so at TP > 1 every rank runs the same steps (and meets the same buckets). Afterwards nothing is queued or
         running and every slot is free; the k/v it leaves in the slots are never attended to (a
         prefill writes a slot from position 0, a decode attends to its sequence's length only).
         Returns what ran and how long it took."""
