@@ -32,3 +32,13 @@ def test_gateway_latency_on_the_stub_engine():
     assert re.search(r"gateway JSON / event loop: (orjson|json \(float rows by numpy\)) / (uvloop|asyncio)", out.stdout), out.stdout
     for path in ("text", "token ids"):
         assert re.search(rf"HTTP /v1/embeddings \({path}\) adds -?[0-9.]+ ms p50 over direct gRPC", out.stdout), out.stdout
+
+
+def test_gateway_latency_layer_by_layer():
+    """--in-process adds the engine's own step() on the same model; florist serve's engine answers
+    on its local socket too, and HTTP with base64 rows gives the same vector (checked by the run)."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gateway.py"), "--latency", "--smoke", "--in-process"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for path in (r"in-process step\(\) \(ids\)", r"direct local socket \(ids\)", r"HTTP /v1/embeddings \(token ids, base64\)"):
+        assert re.search(rf"{path} adds -?[0-9.]+ ms p50 over direct gRPC", out.stdout), out.stdout
