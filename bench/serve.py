@@ -334,7 +334,8 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
     dtype = ["--dtype", args.dtype] if args.dtype else []
     florist = Proc("florist", [sys.executable, "-m", "florist.cli", "serve", "--port", "0", "--model", str(model["path"]),
                                "--device", args.device, "--workers", str(args.workers), *dtype, *(["--busy-poll"] if args.busy_poll else []),
-                               *(["--gateway-busy-poll"] if args.gateway_busy_poll else []), *(["--no-local-socket"] if args.no_local_socket else []),
+                               *(["--gateway-busy-poll"] if args.gateway_busy_poll else []),
+                               *([] if args.gateway_reply_spin_ms is None else ["--gateway-reply-spin-ms", str(args.gateway_reply_spin_ms)]), *(["--no-local-socket"] if args.no_local_socket else []),
                                *([] if args.warm_up else ["--no-warm-up"])], env)
     baseline = Proc("baseline", [sys.executable, str(ROOT / "bench" / "baseline_server.py"), "--model", str(model["path"]), "--task", model["task"],
                                  "--device", args.device, "--port", "0", "--http", args.baseline_http, *dtype], env)
@@ -783,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1, help="florist gateway workers (default 1; the baseline runs one uvicorn worker)")
     p.add_argument("--busy-poll", action="store_true", help="run `florist serve --busy-poll`: the engine servers' event loops never sleep while idle")
     p.add_argument("--gateway-busy-poll", action="store_true", help="run `florist serve --gateway-busy-poll`: the gateway's loop turns while idle and polls for lone replies")
+    p.add_argument("--gateway-reply-spin-ms", type=float, default=None, metavar="MS", help="run `florist serve --gateway-reply-spin-ms MS`: a lone request polls for its reply")
     p.add_argument("--no-local-socket", action="store_true", help="run `florist serve --no-local-socket`: gateway to engine over gRPC only")
     p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
                    help="florist serve's start-up warm-up (its default): GPU engines run the shapes they will meet before serving; "

@@ -169,6 +169,16 @@ def test_busy_poll_spins_only_while_idle_and_polls_for_lone_replies(default_engi
             assert plain.running.busy_poll is None
             assert call(plain.url, "/v1/embeddings", {"input": texts})[0] == 200
             assert plain.running.pipeline.balancer.replicas[0].client._local.spin_s == 0.0
+        with gateway(srv, busy_poll_linger_ms=30.0) as lingering:  # turning for 30 ms after each request (CPU engines: 0 by default)
+            spinner = lingering.running.busy_poll
+            assert spinner is not None and spinner.get_coro().cr_frame.f_locals["linger_s"] == pytest.approx(0.03)
+            assert call(lingering.url, "/v1/embeddings", {"input": texts})[0] == 200
+        with gateway(srv, reply_spin_ms=2.0) as polling:  # the reply poll without the idle spinner
+            assert polling.running.busy_poll is None
+            status, _, body = call(polling.url, "/v1/embeddings", {"input": texts})
+            assert status == 200, body
+            np.testing.assert_allclose([d["embedding"] for d in body["data"]], want, **TOL)
+            assert polling.running.pipeline.balancer.replicas[0].client._local.spin_s == pytest.approx(0.002)
 
 
 def test_requests_in_flight_clear_the_idle_flag(default_engine):

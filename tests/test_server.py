@@ -205,7 +205,12 @@ def test_busy_poll_keeps_the_loop_turning_and_stops_with_the_server(default_engi
     assert spinner.cancelled() and sys.getswitchinterval() == switch_interval
     assert any("busy poll on a cpu engine" in r.getMessage() for r in caplog.records), caplog.text
     with ServerThread(default_engine, ServerConfig(port=0)) as plain:
-        assert plain.running.busy_poll is None
+        assert plain.running.busy_poll is None  # a CPU engine lingers 0 ms by default
+    with ServerThread(default_engine, ServerConfig(port=0, busy_poll_linger_ms=30.0)) as lingering:
+        spinner = lingering.running.busy_poll
+        assert spinner is not None and spinner.get_coro().cr_frame.f_locals["linger_s"] == pytest.approx(0.03)
+        assert sys.getswitchinterval() == pytest.approx(min(switch_interval, BUSY_POLL_SWITCH_S))
+    assert sys.getswitchinterval() == switch_interval
 
 
 def test_metrics_count_like_prometheus_histograms():

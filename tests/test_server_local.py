@@ -259,6 +259,16 @@ def test_serve_flag_turns_the_local_socket_off_on_both_ends(monkeypatch, flags, 
     assert seen["config"].busy_poll is False and "--busy-poll" in seen["engine_args"]
     assert cli.run(p.parse_args(["--device", "cpu", "--gateway-busy-poll", *flags])) == 0  # the gateway polls
     assert seen["config"].busy_poll is True and "--busy-poll" not in seen["engine_args"]
+    assert seen["config"].reply_spin == 5.0
+    assert cli.run(p.parse_args(["--device", "cpu", "--gateway-reply-spin-ms", "2.5", *flags])) == 0  # the reply poll alone
+    assert seen["config"].busy_poll is False and seen["config"].reply_spin == 2.5
+    assert seen["config"].busy_poll_linger_ms is None and "--busy-poll-linger-ms" not in seen["engine_args"]  # each picks its default
+    assert cli.run(p.parse_args(["--device", "cpu", "--busy-poll-linger-ms", "50", *flags])) == 0  # both ends linger 50 ms
+    assert seen["config"].busy_poll_linger_ms == 50.0
+    assert seen["engine_args"][seen["engine_args"].index("--busy-poll-linger-ms") + 1] == "50.0"
+    seen.clear()
+    assert cli.run(p.parse_args(["--device", "cpu", "--gateway-reply-spin-ms", "-1", *flags])) == 2 and not seen
+    assert cli.run(p.parse_args(["--device", "cpu", "--busy-poll-linger-ms", "-1", *flags])) == 2 and not seen
 
 
 def test_frames_are_split_out_of_any_chunking():

@@ -41,6 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateway-busy-poll", action="store_true",
                    help="gateway workers keep their event loop turning while no request is in flight, and a lone request polls for its "
                         "engine's reply over the local socket rather than sleeping (batch-1 latency, for a CPU core per worker)")
+    p.add_argument("--busy-poll-linger-ms", type=float, default=None, metavar="MS",
+                   help="without the busy polls, engine servers and gateway workers keep their event loops turning this long after "
+                        "their last request, so a stream of requests finds them awake, then sleep (default: 20 with GPU engines, "
+                        "0 on the CPU; 0: off)")
+    p.add_argument("--gateway-reply-spin-ms", type=float, default=None, metavar="MS",
+                   help="a request alone in a gateway worker polls for its engine's reply over the local socket for up to MS "
+                        "rather than sleeping until it lands; CPU is spent only while that request waits (default: 5 with "
+                        "--gateway-busy-poll, else 0: off)")
     p.add_argument("--no-local-socket", action="store_true",
                    help="gateway and engines talk gRPC only (by default an engine on this host also serves Embed / Score / Generate on a "
                         "Unix socket, which the gateway uses: less latency per request)")
@@ -73,15 +81,20 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             print(f"florist serve: {name} must be at least 1", file=sys.stderr)
             return 2
+    for name, value in (("--gateway-reply-spin-ms", args.gateway_reply_spin_ms), ("--busy-poll-linger-ms", args.busy_poll_linger_ms)):
+        if value is not None and not value >= 0:
+            print(f"florist serve: {name} must be 0 or more", file=sys.stderr)
+            return 2
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip()) if args.engines else ()
     config = GatewayConfig(
         engines=engines, model=args.model, host=args.host, port=args.port, api_key=args.api_key or None,
         payload_limit_bytes=args.payload_limit, max_inputs=args.max_inputs, chunk_seqs=args.chunk_seqs, chunk_tokens=args.chunk_tokens,
         tokenization_workers=args.tokenization_workers or tokenization_threads(args.workers), reuse_port=args.workers > 1,
-        local_socket=not args.no_local_socket, busy_poll=args.gateway_busy_poll,
+        local_socket=not args.no_local_socket, busy_poll=args.gateway_busy_poll, reply_spin_ms=args.gateway_reply_spin_ms,
+        busy_poll_linger_ms=args.busy_poll_linger_ms,
     )
     passed = (("--model", args.model), ("--dtype", args.dtype), ("--task", args.task), ("--max-batch-tokens", args.max_batch_tokens), ("--max-pending-tokens", args.max_pending_tokens),
-              ("--tensor-parallel-size", args.tensor_parallel_size if args.tensor_parallel_size > 1 else None))
+              ("--tensor-parallel-size", args.tensor_parallel_size if args.tensor_parallel_size > 1 else None), ("--busy-poll-linger-ms", args.busy_poll_linger_ms))
     engine_args = [a for flag, value in passed if value is not None for a in (flag, str(value))] + (["--busy-poll"] if args.busy_poll else [])
     engine_args += ["--local-socket", "off"] if args.no_local_socket else []
     engine_args += [] if args.warm_up else ["--no-warm-up"]

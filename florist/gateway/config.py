@@ -26,8 +26,18 @@ class GatewayConfig:
     retry_after_s: int = 1
     reuse_port: bool = False                 # several worker processes on one port (SO_REUSEPORT)
     local_socket: bool = True                # Embed / Score / Generate over an engine's local socket where it has one on this host
-    # Trade CPU for latency: the event loop keeps turning while no request is in flight, and the
-    # engine call of a lone request (the only one in flight) polls for its reply over the local
-    # socket for up to `reply_spin_ms` (florist/server/local.py) rather than sleeping until it lands.
+    # Trade CPU for latency: the event loop keeps turning while no request is in flight.
     busy_poll: bool = False
-    reply_spin_ms: float = 5.0
+    # Without busy_poll, keep the loop turning this long after the last request in flight ended,
+    # so a stream of requests finds it awake, then sleep (florist/busy_poll.py). None: 20 ms when
+    # the engines run on GPUs, 0 (off) when on the CPU, whose cores the models need.
+    busy_poll_linger_ms: float | None = None
+    # The engine call of a lone request (the only one in flight) polls for its reply over the local
+    # socket for up to this long (florist/server/local.py) rather than sleeping until it lands; it
+    # costs CPU only while that request waits. None: 5 ms with busy_poll, else 0 (off).
+    reply_spin_ms: float | None = None
+
+    @property
+    def reply_spin(self) -> float:
+        """The reply poll window in ms that applies (reply_spin_ms, or its default)."""
+        return self.reply_spin_ms if self.reply_spin_ms is not None else (5.0 if self.busy_poll else 0.0)

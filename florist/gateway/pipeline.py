@@ -7,13 +7,13 @@ input, and `/rerank`, `/v1/rerank` and `/v1/score` the same scores.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
 import numpy as np
 from aiohttp import web
 
+from florist.busy_poll import IdleFlag
 from florist.engine.output import check_output_options
 from florist.gateway.dispatch import Dispatcher
 from florist.gateway.errors import ApiError
@@ -40,8 +40,7 @@ class Pipeline:
         self.balancer = dispatcher.balancer
         self.started = time.time()
         self.in_flight = 0  # HTTP requests being handled (the middleware counts them)
-        self.idle = asyncio.Event()  # set while in_flight is 0 (GatewayConfig.busy_poll spins only then)
-        self.idle.set()
+        self.idle = IdleFlag()  # set while in_flight is 0 (the busy-poll task turns the loop only then)
 
     # -- checks shared by routes -------------------------------------------------------------------
     def require(self, task: str, route: str) -> None:

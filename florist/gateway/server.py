@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from florist.busy_poll import keep_turning
+from florist.busy_poll import keep_turning, linger_seconds
 from florist.gateway.app import make_app
 from florist.gateway.balancer import Balancer
 from florist.gateway.config import GatewayConfig
@@ -51,7 +51,7 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
 
     balancer = Balancer(config.engines, interval_s=config.health_interval_s, on_change=metrics.replica_changed,
                         client_factory=functools.partial(InferenceClient, local=config.local_socket,
-                                                         spin_ms=config.reply_spin_ms if config.busy_poll else 0.0, spin_if=lone_request))
+                                                         spin_ms=config.reply_spin, spin_if=lone_request))
     try:
         info = await balancer.start(config.startup_timeout_s)
         processor = load_text_processor(info, config.model)
@@ -75,8 +75,10 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
         await RunningGateway(runner, pipeline, 0).stop()
         raise OSError(f"cannot listen on {config.host}:{config.port} ({e.strerror}); pick another --port") from None
     port = runner.addresses[0][1]
-    # GatewayConfig.busy_poll: the loop turns while no request is in flight (florist/busy_poll.py).
-    spinner = asyncio.get_running_loop().create_task(keep_turning(pipeline.idle), name="florist-gateway-busy-poll") if config.busy_poll else None
+    # GatewayConfig.busy_poll: the loop turns while no request is in flight; busy_poll_linger_ms:
+    # for that long after the last one (florist/busy_poll.py).
+    linger_s = linger_seconds(config.busy_poll, config.busy_poll_linger_ms, info.device.startswith("cuda"))
+    spinner = asyncio.get_running_loop().create_task(keep_turning(pipeline.idle, linger_s=linger_s), name="florist-gateway-busy-poll") if linger_s > 0 else None
     return RunningGateway(runner, pipeline, port, spinner)
 
 

@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from florist.busy_poll import IdleFlag
 from florist.engine.batch import HostBatch, segment_ids
 from florist.server.scheduler import Batch, Request, Scheduler
 
@@ -114,8 +115,7 @@ class Batcher:
         self.in_flight: deque[_InFlight] = deque()
         self._wakeup = asyncio.Event()
         # Set while nothing is queued or running (the busy-poll task spins only then).
-        self.idle = asyncio.Event()
-        self.idle.set()
+        self.idle = IdleFlag()
         self._worker: _Worker | None = None
         self._task: asyncio.Task | None = None
 

@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spin-ms", type=float, default=d.spin_ms, help=f"poll a launched batch this long before waiting in a thread (default {d.spin_ms})")
     p.add_argument("--busy-poll", action="store_true",
                    help="keep the event loop spinning while the server is idle instead of sleeping: lower batch-1 latency for one CPU core kept busy (GPU engines; a CPU engine needs that core)")
+    p.add_argument("--busy-poll-linger-ms", type=float, default=None, metavar="MS",
+                   help="without --busy-poll, keep the event loop turning this long after the server fell idle, so a stream of requests "
+                        "finds it awake, then sleep (default: 20 on a GPU engine, 0 on a CPU engine; 0: off)")
     p.add_argument("--local-socket", default="auto", metavar="PATH|auto|off",
                    help="also serve Embed / Score / Generate on this Unix socket, which clients on this host (the gateway) find through Info and "
                         "use instead of gRPC, for less latency per request (default auto: a path in $XDG_RUNTIME_DIR or the temp "
@@ -70,12 +73,14 @@ def run(args: argparse.Namespace) -> int:
     if tp > 1 and args.device and ":" in args.device:
         raise ValueError(f"--tensor-parallel-size {tp} places its ranks on cuda:0..{tp - 1} of the visible GPUs; pick them with "
                          f"CUDA_VISIBLE_DEVICES and --device cuda, not --device {args.device}")
+    if args.busy_poll_linger_ms is not None and not args.busy_poll_linger_ms >= 0:
+        raise ValueError(f"--busy-poll-linger-ms must be 0 or more; got {args.busy_poll_linger_ms}")
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task, tensor_parallel_size=tp if tp > 1 else None)
     prepare(engine, args)
     config = ServerConfig(
         host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,
         max_pending_tokens=args.max_pending_tokens, metrics_port=args.metrics_port, spin_ms=args.spin_ms,
-        timing_metadata=args.timing_metadata, busy_poll=args.busy_poll,
+        timing_metadata=args.timing_metadata, busy_poll=args.busy_poll, busy_poll_linger_ms=args.busy_poll_linger_ms,
         local_socket=None if args.local_socket in ("off", "") else args.local_socket,
     )
     _run_loop(_serve(engine, config))

@@ -26,8 +26,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from florist.busy_poll import keep_turning, linger_seconds
 from florist.engine.output import check_output_options, finalize_embeddings, finalize_scores
-from florist.busy_poll import keep_turning
 from florist.loop_thread import LoopThread
 from florist.server import proto, wire
 from florist.server.batcher import Batcher, DeadlineExpired
@@ -273,8 +273,10 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
         service.advertise_local_socket(local.path)
     metrics_http = metrics.serve(config.metrics_port, config.host) if config.metrics_port is not None else None
     spinner, switch_interval = None, None
-    if config.busy_poll:
-        if not str(engine.info.device).startswith("cuda"):
+    on_gpu = str(engine.info.device).startswith("cuda")
+    linger_s = linger_seconds(config.busy_poll, config.busy_poll_linger_ms, on_gpu)
+    if linger_s > 0:
+        if not on_gpu:
             log.warning("busy poll on a %s engine: the spinning event loop takes the CPU (and the GIL) the model runs on, "
                         "so batches get slower; it is meant for GPU engines", engine.info.device)
         # The turning loop holds the GIL between turns; a thread that needs it (grpc's poller, the
@@ -287,7 +289,8 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
         # docs/benchmarks.md). While Generate streams are open it naps 1 ms a turn: the generation
         # thread needs the GIL every step.
         generation = service.generation
-        spinner = asyncio.get_running_loop().create_task(keep_turning(batcher.idle, lambda: 0.001 if generation.active else 0.0), name="florist-busy-poll")
+        spinner = asyncio.get_running_loop().create_task(keep_turning(batcher.idle, lambda: 0.001 if generation.active else 0.0, linger_s),
+                                                          name="florist-busy-poll")
     return RunningServer(server, service, batcher, port, metrics, metrics_http, spinner, local, switch_interval)
 
 
