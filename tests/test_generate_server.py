@@ -211,3 +211,29 @@ def test_engine_server_tensor_parallel_size_is_checked_before_loading(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "florist.cli", "engine-server", "--tensor-parallel-size", "2", *extra],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+
+
+class _OnGpu:
+    """An engine that says it runs on cuda:0 (for start_server's defaults; nothing is run)."""
+
+    def __init__(self, engine):
+        import dataclasses
+
+        self._engine, self.info = engine, dataclasses.replace(engine.info, device="cuda:0")
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def test_busy_poll_linger_defaults_by_engine(lm_engine, default_engine):
+    """A GPU engine that embeds lingers 20 ms by default; a causal LM's server does not (its
+    decode steps run beside an idle batcher), unless told to."""
+    from florist.busy_poll import DEFAULT_LINGER_MS
+
+    with ServerThread(_OnGpu(default_engine), ServerConfig(port=0)) as srv:
+        spinner = srv.running.busy_poll
+        assert spinner is not None and spinner.get_coro().cr_frame.f_locals["linger_s"] == DEFAULT_LINGER_MS / 1e3
+    with ServerThread(_OnGpu(lm_engine), ServerConfig(port=0)) as srv:
+        assert srv.running.busy_poll is None
+    with ServerThread(_OnGpu(lm_engine), ServerConfig(port=0, busy_poll_linger_ms=5.0)) as srv:
+        assert srv.running.busy_poll is not None

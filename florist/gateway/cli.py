@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--busy-poll-linger-ms", type=float, default=None, metavar="MS",
                    help="without the busy polls, engine servers and gateway workers keep their event loops turning this long after "
                         "their last request, so a stream of requests finds them awake, then sleep (default: 20 with GPU engines, "
-                        "0 on the CPU; 0: off)")
+                        "0 on the CPU and for a causal LM's engine servers; 0: off)")
     p.add_argument("--gateway-reply-spin-ms", type=float, default=None, metavar="MS",
                    help="a request alone in a gateway worker polls for its engine's reply over the local socket for up to MS "
                         "rather than sleeping until it lands; CPU is spent only while that request waits (default: 5 with "

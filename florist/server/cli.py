@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the event loop spinning while the server is idle instead of sleeping: lower batch-1 latency for one CPU core kept busy (GPU engines; a CPU engine needs that core)")
     p.add_argument("--busy-poll-linger-ms", type=float, default=None, metavar="MS",
                    help="without --busy-poll, keep the event loop turning this long after the server fell idle, so a stream of requests "
-                        "finds it awake, then sleep (default: 20 on a GPU engine, 0 on a CPU engine; 0: off)")
+                        "finds it awake, then sleep (default: 20 on a GPU engine that embeds or scores, 0 on a CPU engine or a causal LM; 0: off)")
     p.add_argument("--local-socket", default="auto", metavar="PATH|auto|off",
                    help="also serve Embed / Score / Generate on this Unix socket, which clients on this host (the gateway) find through Info and "
                         "use instead of gRPC, for less latency per request (default auto: a path in $XDG_RUNTIME_DIR or the temp "

@@ -27,8 +27,9 @@ class ServerConfig:
     # picked up at the next turn, on a core that never went idle. Costs one CPU core at 100 %.
     busy_poll: bool = False
     # Without busy_poll, keep the loop turning this long after the server fell idle, so a stream
-    # of requests finds it awake, then sleep (florist/busy_poll.py). None: 20 ms on a GPU engine,
-    # 0 (off) on a CPU engine, whose model needs the core.
+    # of requests finds it awake, then sleep (florist/busy_poll.py). None: 20 ms on a GPU engine
+    # that embeds or scores, 0 (off) on a CPU engine, whose model needs the core, and for a
+    # causal LM.
     busy_poll_linger_ms: float | None = None
     # Also serve the RPCs on this Unix socket ("auto": a path of the server's choosing), for
     # a gateway on the same host (florist/server/local.py); None: gRPC only.

@@ -274,7 +274,9 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
     metrics_http = metrics.serve(config.metrics_port, config.host) if config.metrics_port is not None else None
     spinner, switch_interval = None, None
     on_gpu = str(engine.info.device).startswith("cuda")
-    linger_s = linger_seconds(config.busy_poll, config.busy_poll_linger_ms, on_gpu)
+    # A causal LM's server lingers only when told to: its generation runs beside an idle batcher,
+    # and the lowered switch interval below has not been measured against its decode steps.
+    linger_s = linger_seconds(config.busy_poll, config.busy_poll_linger_ms, on_gpu and engine.info.task != "generate")
     if linger_s > 0:
         if not on_gpu:
             log.warning("busy poll on a %s engine: the spinning event loop takes the CPU (and the GIL) the model runs on, "
