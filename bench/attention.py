@@ -63,6 +63,14 @@ def timed(fn, iters=30, graph=True):
     return statistics.median(times)
 
 
+def qkv_views(t: int, hq: int, hkv: int, d: int, dtype, dev):
+    """q [t, hq, d], k and v [t, hkv, d] as the models make them: column slices of one qkv
+    product's output [t, (hq + 2 hkv) d], so rows are strided, as every backend meets them."""
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, dtype=dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+
 def sdpa_batched(kind, hq, hkv, d):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -89,7 +97,15 @@ def main():
     ap.add_argument("--eager", action="store_true", help="time plain launches instead of CUDA graph replays")
     ap.add_argument("--sweep", action="store_true", help="time the Triton kernel's configurations at its short shapes")
     ap.add_argument("--json", help="with --sweep: write every configuration's time to this file")
+    ap.add_argument("--shapes", default="", help="with --sweep: a comma list of the shapes to sweep (default: all), e.g. '1 x 128,100 x 256'")
     args = ap.parse_args()
+    args.shapes = [label.strip() for label in args.shapes.split(",") if label.strip()]
+    unknown = sorted(set(args.shapes) - {label for label, _ in SWEEP_SHAPES})
+    if unknown:
+        ap.error(f"unknown --shapes {unknown}; choose from {', '.join(label for label, _ in SWEEP_SHAPES)}")
+    if not torch.cuda.is_available():
+        print("bench/attention.py needs a CUDA GPU", file=sys.stderr)
+        return 1
     if args.sweep:
         return sweep(args)
     hq, hkv, d, dtype = GEOMETRIES[args.geometry]
@@ -98,14 +114,12 @@ def main():
     # Short shapes on both sides of the "auto" bounds (256 tokens per sequence, 1024 per batch).
     shapes = [("1 x 64", [64]), ("1 x 128", [128]), ("1 x 256", [256]), ("1 x 512", [512]), ("1 x 4096", [4096]),
               ("8 x 128", [128] * 8), ("16 x 128", [128] * 16), ("ragged 4 <= 200", [200, 37, 101, 9]),
-              ("100 x 512", [512] * 100), ("8 x 512", [512] * 8)]
+              ("100 x 128", [128] * 100), ("100 x 256", [256] * 100), ("100 x 512", [512] * 100), ("8 x 512", [512] * 8)]
     rows = []
     for causal in (True, False):
         for label, lens in shapes:
             t = sum(lens)
-            q = torch.randn(t, hq, d, device=dev, dtype=dtype)
-            k = torch.randn(t, hkv, d, device=dev, dtype=dtype)
-            v = torch.randn(t, hkv, d, device=dev, dtype=dtype)
+            q, k, v = qkv_views(t, hq, hkv, d, dtype, dev)
             batch = to_device(HostBatch.from_sequences([[0] * n for n in lens]), dev)
             flops = sum(4 * n * n * d * hq for n in lens) / (2 if causal else 1)
             res = {"varlen": timed(lambda: varlen(q, k, v, batch, causal, d**-0.5), graph=not args.eager)}
@@ -132,7 +146,8 @@ def main():
 
 
 SWEEP_SHAPES = [("1 x 64", [64]), ("1 x 128", [128]), ("1 x 256", [256]), ("1 x 512", [512]), ("1 x 1024", [1024]),
-                ("ragged 4 <= 200", [200, 37, 101, 9]), ("ragged 8 <= 256", [256, 200, 150, 100, 64, 32, 17, 5])]
+                ("ragged 4 <= 200", [200, 37, 101, 9]), ("ragged 8 <= 256", [256, 200, 150, 100, 64, 32, 17, 5]),
+                ("100 x 256", [256] * 100)]
 # The masking the served models use: Qwen3 embedders are causal, BERT encoders bidirectional.
 SWEEP_CAUSAL = {"qwen3-0.6b": True, "minilm-l6": False}
 
@@ -158,10 +173,10 @@ def sweep(args) -> None:
           f"us per call ({'eager' if args.eager else 'CUDA graph'})")
     table, lines = {}, []
     for label, lens in SWEEP_SHAPES:
+        if args.shapes and label not in args.shapes:
+            continue
         t, max_len = sum(lens), max(lens)
-        q = torch.randn(t, hq, d, device=dev, dtype=dtype)
-        k = torch.randn(t, hkv, d, device=dev, dtype=dtype)
-        v = torch.randn(t, hkv, d, device=dev, dtype=dtype)
+        q, k, v = qkv_views(t, hq, hkv, d, dtype, dev)
         batch = to_device(HostBatch.from_sequences([[0] * n for n in lens]), dev)
         ref = varlen(q, k, v, batch, causal, d**-0.5).float()
 
@@ -173,7 +188,7 @@ def sweep(args) -> None:
 
         default = timed(run, graph=not args.eager) * 1e3
         others = {"varlen": timed(lambda: varlen(q, k, v, batch, causal, d**-0.5), graph=not args.eager) * 1e3}
-        if len(lens) == 1:
+        if len(set(lens)) == 1:  # equal lengths: one dense call
             others["cudnn"] = timed(lambda: cudnn(q, k, v, lens, causal), graph=not args.eager) * 1e3
         times = {}
         for cfg in configs:
@@ -203,4 +218,4 @@ def triton_pow2(n: int) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

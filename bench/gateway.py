@@ -24,9 +24,10 @@ cost, each the plain blocking kind a user would write:
 Batch-1 requests of 128 tokens go one after another, the paths in turn (direct gRPC with the
 ids; direct to the engine server's local socket, the hop the gateway itself takes on one host,
 when it serves one; POST /v1/embeddings with the text, with the same ids, and with the ids and
-base64 rows as OpenAI's client asks; with --in-process also `engine.step()` on the same model in
-this process, no server), so a change of load or clock hits all alike; 100 warm-up rounds are
-not counted. The difference of the HTTP paths' p50 from the direct path's is what the gateway
+base64 rows as OpenAI's client asks), so a change of load or clock hits all alike; 100 warm-up
+rounds are not counted. --in-process also times `engine.step()` on the same model in this
+process, in a loop of its own before the others (in turn with them, its steps and the server's
+would alternate between two CUDA contexts on one GPU, slowing both). The difference of the HTTP paths' p50 from the direct path's is what the gateway
 adds: parsing, checks, tokenization, the hop from the gateway and the JSON response. Every
 path's vector is checked to be the same first.
 
@@ -462,6 +463,7 @@ def latency(args) -> None:
         n, warmup = (10, 3) if args.smoke else (args.requests, 100)
         http_client, grpc_client = HttpClient(url), GrpcClient(address)
         paths = {"direct gRPC (ids)": lambda: grpc_client.embed(ids)}
+        alone = {}  # timed in a loop of their own, not in turn with the others (below)
         if args.in_process:  # the same model in this process: the engine alone, no server
             from florist import Engine
             from florist.engine.batch import HostBatch
@@ -469,7 +471,7 @@ def latency(args) -> None:
 
             engine = Engine.from_pretrained(model_dir, device=args.device)
             host_ids = np.asarray(ids, dtype=np.int32)
-            paths["in-process step() (ids)"] = lambda: finalize_embeddings(engine.step(HostBatch.from_sequences([host_ids])).numpy(), dimensions=None,
+            alone["in-process step() (ids)"] = lambda: finalize_embeddings(engine.step(HostBatch.from_sequences([host_ids])).numpy(), dimensions=None,
                                                                                   normalize=engine.info.normalize, encoding="float")[0]
         path = local_socket_of(address) if not args.stub or args.local_socket else ""
         local_client = LocalClient(path) if path else None
@@ -481,10 +483,19 @@ def latency(args) -> None:
             "HTTP /v1/embeddings (token ids, base64)": lambda: http_client.embed({"input": [ids], "encoding_format": "base64"}),
         }
         direct = paths["direct gRPC (ids)"]()
-        for name, call in paths.items():  # the same vector every way
+        for name, call in (paths | alone).items():  # the same vector every way
             assert np.abs(call() - direct).max() < 1e-2, name  # bf16: the in-process engine agrees to ~1e-3
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        for k in range(warmup + n):  # in turn, so drift hits all three alike
+        times: dict[str, list[float]] = {name: [] for name in alone | paths}
+        # The in-process engine alone first, while the server idles: in turn with the server's
+        # requests, its steps and the server's would alternate between two CUDA contexts on one
+        # GPU, which slowed each by ~0.3 ms on the H200 (docs/benchmarks.md, "Layer by layer").
+        for k in range(warmup + n):
+            for name, call in alone.items():
+                t = time.perf_counter()
+                call()
+                if k >= warmup:
+                    times[name].append((time.perf_counter() - t) * 1e3)
+        for k in range(warmup + n):  # in turn, so drift hits all paths alike
             for name, call in paths.items():
                 t = time.perf_counter()
                 call()
@@ -508,7 +519,7 @@ def latency(args) -> None:
         q = np.percentile(ms, [50, 90, 99])
         print(f"{name:<40} {q[0]:>8.3f} {q[1]:>8.3f} {q[2]:>8.3f}")
     base = np.percentile(times["direct gRPC (ids)"], 50)
-    for name in list(times)[1:]:
+    for name in (name for name in times if name != "direct gRPC (ids)"):
         print(f"{name} adds {np.percentile(times[name], 50) - base:.3f} ms p50 over direct gRPC")
 
 

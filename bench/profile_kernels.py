@@ -1,6 +1,6 @@
 """Device kernels per step, by name: what a forward (or a decode token) is made of on the GPU.
 
-    python bench/profile_kernels.py                 # Qwen3-0.6B 1 x 128 / 1 x 512 / 100 x 512, MiniLM 1 x 128, decode
+    python bench/profile_kernels.py                 # Qwen3-0.6B 1 x 128 / 1 x 512 / 100 x 512, MiniLM 1 x 128 / 100 x 256, decode
     python bench/profile_kernels.py --only minilm   # one part: qwen3, minilm, decode (comma list)
 
 Runs the torch profiler (CUDA activity only; kernels inside CUDA-graph replays are recorded too)
@@ -67,7 +67,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="florist-profile-"))
     rng = np.random.default_rng(0)
     for geometry, dtype, name, shapes in (("qwen3-0.6b", torch.bfloat16, "qwen3", [(1, 128), (1, 512), (100, 512)]),
-                                          ("minilm-l6", torch.float16, "minilm", [(1, 128)])):
+                                          ("minilm-l6", torch.float16, "minilm", [(1, 128), (100, 256)])):
         if name not in parts:
             continue
         engine = Engine.from_pretrained(make_model(tmp / name, geometry, dtype=dtype), device="cuda", dtype=dtype)

@@ -54,3 +54,13 @@ def test_print_kernel_table_counts_per_step(capsys):
     assert "3 kernels/step, 14.0 us/step" in out[1]
     assert out[2].split()[:5] == ["2.0/step", "6.00", "us", "avg", "12.0"] and out[2].endswith("gemm")
     assert out[3].endswith("norm") and len(out) == 4
+
+
+def test_attention_bench_checks_its_arguments_and_needs_cuda():
+    """bench/attention.py: an unknown --shapes label is refused with the known ones; without CUDA
+    the script says it needs one and exits 1."""
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "attention.py"), "--sweep", "--shapes", "100 x 256,1 x 7"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown --shapes ['1 x 7']" in bad.stderr and "100 x 256" in bad.stderr, bad.stderr
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "attention.py"), "--sweep", "--shapes", "100 x 256"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr, proc.stderr
