@@ -610,6 +610,19 @@ def cell_from_row(row: dict) -> Cell:
                 results={k: row[k] for k in SERVERS if row.get(k)})  # older files have no "infinity"
 
 
+def minor_label(v: float) -> str:
+    """A log axis' label between decades: only at 2 and 5 (20, 50, 200, ...); every minor tick's
+    label overlaps its neighbours' once the axis spans a few decades."""
+    return f"{v:g}" if v > 0 and f"{v:.0e}"[0] in "25" else ""
+
+
+def decade_below(values) -> float | None:
+    """The power of ten at or below the smallest positive value (None if there is none): where
+    a log axis of bars starts, so the lowest bar keeps a visible height."""
+    lowest = min((v for v in values if v is not None and v > 0), default=None)
+    return None if lowest is None else 10.0 ** math.floor(math.log10(lowest))
+
+
 def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
     try:
         import matplotlib
@@ -621,11 +634,12 @@ def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
     from matplotlib.ticker import FuncFormatter
 
     plain = FuncFormatter(lambda v, _: f"{v:g}")  # 20, not 2 x 10^1, on log axes
+    two_five = FuncFormatter(lambda v, _: minor_label(v))
 
     def log_y(ax):
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
+        ax.yaxis.set_minor_formatter(two_five)
         ax.tick_params(axis="y", which="minor", labelsize=7)
 
     colors = {"florist": "tab:green", "baseline": "tab:gray", "infinity": "tab:blue"}
@@ -651,6 +665,11 @@ def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
             ax.set_xticks(x, qs)
             log_y(ax)
             ax.set_title(c.label, fontsize=9)
+        # Bars on a log axis start at its bottom: put that a decade boundary below the lowest
+        # bar, or the fastest server's bars shrink to stubs (matplotlib's margin is arbitrary).
+        bottom = decade_below(r.get(q) for c in group for r in c.results.values() for q in qs)
+        if bottom is not None:
+            axes[0][0].set_ylim(bottom=bottom)
         axes[0][0].set_ylabel("latency, ms (log)")
         axes[0][0].legend(fontsize=8)
         fig.suptitle(f"scenario {s}: {SCENARIO_NAME[s]}, latency percentiles")

@@ -214,3 +214,14 @@ def test_infinity_reranks_with_a_cross_encoder(tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert len(rows) == 3 and all(r["infinity"]["n"] == r["infinity"]["planned"] > 0 for r in rows)
     assert "sat out" not in stdout
+
+
+def test_log_axes_label_two_and_five_and_start_a_decade_below_the_lowest_bar():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import serve
+
+    assert [serve.minor_label(v) for v in (2, 3, 5, 7, 20, 40, 500, 0.2, 0.3)] == ["2", "", "5", "", "20", "", "500", "0.2", ""]
+    assert serve.decade_below([2.46, 31.9, None, 0, 48.4]) == 1.0
+    assert serve.decade_below([12.2, 58.9]) == 10.0
+    assert serve.decade_below([0.35]) == 0.1
+    assert serve.decade_below([None, 0]) is None
