@@ -45,6 +45,7 @@ The model is all-MiniLM-L6-v2's tokenizer and configuration with max_seq_length 
     python bench/gateway.py --latency --model DIR --device cuda   # (d) on the GPU: what HTTP adds over gRPC, p50
     python bench/gateway.py --latency --stub     # (d) against the stub engine: the gateway's cost on a CPU
     python bench/gateway.py --latency --geometry qwen3-0.6b --in-process   # (d) layer by layer, engine to HTTP
+    python bench/gateway.py --latency --geometry qwen3-0.6b --gap-ms 0,10,50   # (d) with idle time before each request
     python bench/gateway.py --smoke              # (a)-(d) a second or a few requests each, CPU
 """
 
@@ -485,22 +486,22 @@ def latency(args) -> None:
         direct = paths["direct gRPC (ids)"]()
         for name, call in (paths | alone).items():  # the same vector every way
             assert np.abs(call() - direct).max() < 1e-2, name  # bf16: the in-process engine agrees to ~1e-3
-        times: dict[str, list[float]] = {name: [] for name in alone | paths}
-        # The in-process engine alone first, while the server idles: in turn with the server's
-        # requests, its steps and the server's would alternate between two CUDA contexts on one
-        # GPU, which slowed each by ~0.3 ms on the H200 (docs/benchmarks.md, "Layer by layer").
-        for k in range(warmup + n):
-            for name, call in alone.items():
-                t = time.perf_counter()
-                call()
-                if k >= warmup:
-                    times[name].append((time.perf_counter() - t) * 1e3)
-        for k in range(warmup + n):  # in turn, so drift hits all paths alike
-            for name, call in paths.items():
-                t = time.perf_counter()
-                call()
-                if k >= warmup:
-                    times[name].append((time.perf_counter() - t) * 1e3)
+        by_gap: dict[float, dict[str, list[float]]] = {}
+        for g, gap in enumerate(args.gap_ms):
+            by_gap[gap] = times = {name: [] for name in alone | paths}
+            skip = warmup if g == 0 else min(warmup, 10)
+            # The in-process engine alone first, while the server idles: in turn with the
+            # server's requests, its steps and the server's would alternate between two CUDA
+            # contexts on one GPU, which slowed each by ~0.3 ms on the H200 (docs/benchmarks.md).
+            for group in (alone, paths):  # the paths in turn, so drift hits them alike
+                for k in range(skip + n):
+                    for name, call in group.items():
+                        if gap:
+                            time.sleep(gap / 1e3)  # idle before every request: the server's loops may sleep meanwhile
+                        t = time.perf_counter()
+                        call()
+                        if k >= skip:
+                            times[name].append((time.perf_counter() - t) * 1e3)
         http_client.close()
         grpc_client.close()
         if local_client is not None:
@@ -512,7 +513,9 @@ def latency(args) -> None:
             stub[0].terminate()
             stub[0].join(10)
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\nbatch-1 latency, {len(ids)} tokens, {md.name} ({md.config.hidden_size} dimensions) on {device}, {n} requests each, one after another:")
+    times = by_gap[args.gap_ms[0]]
+    gap_note = f", each after {args.gap_ms[0]:g} ms idle" if args.gap_ms[0] else ""
+    print(f"\nbatch-1 latency, {len(ids)} tokens, {md.name} ({md.config.hidden_size} dimensions) on {device}, {n} requests each, one after another{gap_note}:")
     print(f"gateway JSON / event loop: {_importable('orjson', 'json (float rows by numpy)')} / {_importable('uvloop', 'asyncio')}")
     print(f"{'path':<40} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
     for name, ms in times.items():
@@ -521,6 +524,15 @@ def latency(args) -> None:
     base = np.percentile(times["direct gRPC (ids)"], 50)
     for name in (name for name in times if name != "direct gRPC (ids)"):
         print(f"{name} adds {np.percentile(times[name], 50) - base:.3f} ms p50 over direct gRPC")
+    if len(by_gap) > 1:
+        from florist.busy_poll import DEFAULT_LINGER_MS
+
+        print(f"\np50 / p90 ms by the idle time before each request (--gap-ms; florist serve's default busy-poll linger is "
+              f"{DEFAULT_LINGER_MS:g} ms on GPUs unless --serve-flags set it):")
+        print(f"{'path':<40} " + " ".join(f"{f'{gap:g} ms idle':>16}" for gap in by_gap))
+        for name in times:
+            cells = (np.percentile(by_gap[gap][name], [50, 90]) for gap in by_gap)
+            print(f"{name:<40} " + " ".join(f"{f'{a:.3f} / {b:.3f}':>16}" for a, b in cells))
 
 
 def _importable(name: str, otherwise: str) -> str:
@@ -550,8 +562,16 @@ def main() -> int:
     p.add_argument("--serve-flags", default="", metavar="FLAGS",
                    help="latency run: more `florist serve` flags, given with '=' as they start with '--': "
                         "--serve-flags=\"--busy-poll --gateway-busy-poll\" or --serve-flags=\"--busy-poll-linger-ms 0\"")
+    p.add_argument("--gap-ms", default="0", metavar="LIST",
+                   help="latency run: idle milliseconds before every request, a comma list run one after another (default 0: back to back); "
+                        "e.g. 0,10,50 shows what sparse traffic meets once the servers' loops have gone to sleep")
     p.add_argument("--smoke", action="store_true", help="both runs, a second or a few requests each: the code path only")
     args = p.parse_args()
+    try:
+        args.gap_ms = [float(g) for g in args.gap_ms.split(",") if g.strip()]
+        assert args.gap_ms and min(args.gap_ms) >= 0
+    except (ValueError, AssertionError):
+        p.error(f"--gap-ms takes a comma list of milliseconds >= 0, e.g. 0,10,50; got {args.gap_ms!r}")
     if args.smoke:
         args.clients, args.seconds, args.warmup = 2, 1.0, 0.5
         args.device = args.device or "cpu"

@@ -43,3 +43,16 @@ def test_gateway_latency_layer_by_layer():
     for path in (r"in-process step\(\) \(ids\)", r"direct local socket \(ids\)", r"HTTP /v1/embeddings \(token ids, base64\)"):
         assert re.search(rf"{path} adds -?[0-9.]+ ms p50 over direct gRPC", out.stdout), out.stdout
     assert "direct gRPC (ids) adds" not in out.stdout, out.stdout  # the base is not compared with itself
+
+
+def test_gateway_latency_after_idle_gaps():
+    """--gap-ms runs the latency paths again with that much idle time before every request and
+    prints one p50 / p90 column per gap; a bad list is refused."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gateway.py"), "--latency", "--smoke", "--stub", "--gap-ms", "0,3"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"p50 / p90 ms by the idle time before each request", out.stdout), out.stdout
+    assert re.search(r"0 ms idle\s+3 ms idle", out.stdout), out.stdout
+    assert re.search(r"HTTP /v1/embeddings \(token ids\)\s+[0-9.]+ / [0-9.]+\s+[0-9.]+ / [0-9.]+", out.stdout), out.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "gateway.py"), "--latency", "--gap-ms", "5,-1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--gap-ms takes a comma list" in bad.stderr, bad.stderr
