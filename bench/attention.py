@@ -14,7 +14,9 @@ which for microsecond kernels mostly measures the host's launch cost):
 longer ones with the geometry's masking (Qwen3 causal, MiniLM bidirectional), each configuration
 checked against varlen first, cuDNN and varlen timed beside them:
 
-    python bench/attention.py --sweep [--geometry minilm-l6] [--json FILE]
+    python bench/attention.py --sweep [--geometry minilm-l6] [--json FILE] [--shapes "1 x 128,100 x 256"]
+
+q, k and v are strided column slices of one qkv product's output, as the models make them.
 """
 
 from __future__ import annotations
