@@ -574,7 +574,7 @@ def main() -> int:
         gaps = []
     if not gaps or min(gaps) < 0:
         p.error(f"--gap-ms takes a comma list of milliseconds >= 0, e.g. 0,10,50; got {args.gap_ms!r}")
-    args.gap_ms = gaps
+    args.gap_ms = list(dict.fromkeys(gaps))  # each gap once: its rows are keyed by it
     if args.smoke:
         args.clients, args.seconds, args.warmup = 2, 1.0, 0.5
         args.device = args.device or "cpu"
