@@ -5,6 +5,7 @@ GPU stream does. CPU engines take the worker-thread path; these tests cover the 
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
 import threading
@@ -153,12 +154,12 @@ class RecordingDevice(SimulatedDevice):
         return GatedLazy(lazy.rows, lazy.ready_at, self.gate)
 
 
-def run_batcher(device, body, *, max_batch_tokens=256, max_batch_seqs=16, launch=None, spin_s=0.002):
+def run_batcher(device, body, *, max_batch_tokens=256, max_batch_seqs=16, launch=None, spin_s=0.002, launch_ahead_s=math.inf):
     from florist.server.batcher import Batcher
     from florist.server.scheduler import Scheduler
 
     async def go():
-        batcher = Batcher(device, Scheduler(max_batch_tokens, max_batch_seqs, 100_000), launch=launch, spin_s=spin_s)
+        batcher = Batcher(device, Scheduler(max_batch_tokens, max_batch_seqs, 100_000), launch=launch, spin_s=spin_s, launch_ahead_s=launch_ahead_s)
         launch_batch = batcher._launch
 
         def recording_launch(batch):
@@ -305,3 +306,72 @@ def test_idle_is_set_only_while_nothing_is_queued_or_running():
 
     run_batcher(device, body, max_batch_seqs=1, spin_s=0.001)
     assert seen == [True, False, True]
+
+
+# -- launching ahead: the batch behind a running one is launched shortly before that one is due
+# back, so requests arriving meanwhile join it -----------------------------------------------------
+def test_device_times_learn_each_size_going_down_at_once_and_up_slowly():
+    from florist.server.batcher import DeviceTimes, cost_key
+
+    times = DeviceTimes(weight=0.25)
+    assert times.estimate(512, 1) is None  # never seen: no estimate (launched at once)
+    times.observe(512, 1, 0.040)  # a first sight: slow
+    times.observe(500, 1, 0.002)  # the same size (tokens to 256, sequences to a power of two)
+    assert times.estimate(512, 1) == 0.002
+    times.observe(512, 1, 0.010)  # one slow batch moves the estimate by a quarter of the way
+    assert times.estimate(512, 1) == pytest.approx(0.004)
+    assert times.estimate(513, 1) is None and times.estimate(512, 2) is None
+    assert cost_key(512, 3) == cost_key(300, 4) != cost_key(512, 5)
+
+
+@pytest.mark.parametrize("ahead_s", [0.1, math.inf], ids=["ahead", "at-once"])
+def test_requests_arriving_while_a_batch_runs_join_one_batch_launched_ahead(ahead_s):
+    device = RecordingDevice(per_token_s=0, base_s=0.3)
+
+    async def body(batcher):
+        await submit(batcher, [[1, 1]])  # teaches the batcher how long a batch of this size runs
+        first = submit(batcher, [[2, 2]])
+        await asyncio.sleep(0.02)
+        second = submit(batcher, [[3, 3]])  # arrives while [2, 2] runs, with room in flight
+        await asyncio.sleep(0.05)
+        third = submit(batcher, [[4, 4]])
+        return await asyncio.gather(first, second, third)
+
+    results = run_batcher(device, body, launch_ahead_s=ahead_s)
+    for k, rows in enumerate(results, 2):
+        np.testing.assert_array_equal(rows, expected_rows([[k, k]]))
+    if ahead_s == math.inf:
+        assert device.batches == [[1, 1], [2, 2], [3, 3], [4, 4]]
+    else:
+        assert device.batches == [[1, 1], [2, 2], [3, 3, 4, 4]]
+        # ... launched before [2, 2] was back, so the device never waited for it
+        assert device.max_queued == 2
+
+
+def test_a_queue_that_fills_a_batch_is_launched_at_once():
+    device = RecordingDevice(per_token_s=0, base_s=0.3)
+
+    async def body(batcher):
+        await submit(batcher, [[1, 1]])
+        first = submit(batcher, [[2, 2]])
+        await asyncio.sleep(0.02)
+        rest = [submit(batcher, [[k, k]]) for k in (3, 4)]  # two sequences: a full batch
+        await asyncio.sleep(0.05)
+        assert len(batcher.in_flight) == 2, "a full batch waits for nothing"
+        return await asyncio.gather(first, *rest)
+
+    run_batcher(device, body, max_batch_seqs=2, launch_ahead_s=10.0)
+    assert device.batches == [[1, 1], [2, 2], [3, 3, 4, 4]]
+
+
+def test_launch_ahead_defaults_to_gpu_engines_only():
+    from florist.server.service import DEFAULT_LAUNCH_AHEAD_MS, ServerConfig, launch_ahead_s
+
+    gpu, cpu = SimulatedDevice(), SimulatedDevice()
+    cpu.info.device = "cpu"
+    assert launch_ahead_s(gpu, ServerConfig()) == DEFAULT_LAUNCH_AHEAD_MS / 1e3
+    assert launch_ahead_s(cpu, ServerConfig()) == math.inf
+    assert launch_ahead_s(cpu, ServerConfig(launch_ahead_ms=2.0)) == 0.002
+    assert launch_ahead_s(gpu, ServerConfig(launch_ahead_ms=math.inf)) == math.inf
+    with pytest.raises(ValueError, match="launch_ahead_ms must be >= 0"):
+        launch_ahead_s(gpu, ServerConfig(launch_ahead_ms=-1.0))

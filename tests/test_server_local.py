@@ -269,6 +269,26 @@ def test_serve_flag_turns_the_local_socket_off_on_both_ends(monkeypatch, flags, 
     seen.clear()
     assert cli.run(p.parse_args(["--device", "cpu", "--gateway-reply-spin-ms", "-1", *flags])) == 2 and not seen
     assert cli.run(p.parse_args(["--device", "cpu", "--busy-poll-linger-ms", "-1", *flags])) == 2 and not seen
+    assert cli.run(p.parse_args(["--device", "cpu", "--launch-ahead-ms", "-1", *flags])) == 2 and not seen
+
+
+def test_launch_ahead_reaches_the_engine_servers(monkeypatch, capsys):
+    import argparse
+
+    from florist.gateway import cli, supervisor
+    from florist.server import cli as engine_cli
+
+    seen = {}
+    monkeypatch.setattr(supervisor, "serve", lambda config, **kw: seen.update(config=config, **kw) or 0)
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    assert cli.run(p.parse_args(["--device", "cpu"])) == 0
+    assert "--launch-ahead-ms" not in seen["engine_args"]  # the engine picks its default
+    for value in ("2.5", "inf"):
+        assert cli.run(p.parse_args(["--device", "cpu", "--launch-ahead-ms", value])) == 0
+        assert seen["engine_args"][seen["engine_args"].index("--launch-ahead-ms") + 1] == str(float(value))
+    assert engine_cli.main(["--device", "cpu", "--launch-ahead-ms", "-1"]) == 2
+    assert "--launch-ahead-ms must be 0 or more" in capsys.readouterr().err
 
 
 def test_frames_are_split_out_of_any_chunking():

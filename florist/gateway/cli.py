@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPUs each engine replica of a causal LM is sharded over (default 1); replicas default to the GPUs over this")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one engine batch (engine default)")
     p.add_argument("--max-pending-tokens", type=int, default=None, help="tokens an engine queues before answering 429 (engine default)")
+    p.add_argument("--launch-ahead-ms", type=float, default=None, metavar="MS",
+                   help="engine servers launch the batch behind a running one MS before the running one is expected back, so that "
+                        "requests arriving meanwhile join it (engine default: 0.8 on GPUs; inf: launch at once)")
     p.add_argument("--busy-poll", action="store_true",
                    help="engine servers keep their event loop spinning while idle: lower batch-1 latency for one CPU core per replica kept busy (GPU engines)")
     p.add_argument("--gateway-busy-poll", action="store_true",
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             print(f"florist serve: {name} must be at least 1", file=sys.stderr)
             return 2
-    for name, value in (("--gateway-reply-spin-ms", args.gateway_reply_spin_ms), ("--busy-poll-linger-ms", args.busy_poll_linger_ms)):
+    for name, value in (("--gateway-reply-spin-ms", args.gateway_reply_spin_ms), ("--busy-poll-linger-ms", args.busy_poll_linger_ms),
+                        ("--launch-ahead-ms", args.launch_ahead_ms)):
         if value is not None and not value >= 0:
             print(f"florist serve: {name} must be 0 or more", file=sys.stderr)
             return 2
@@ -94,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
         busy_poll_linger_ms=args.busy_poll_linger_ms,
     )
     passed = (("--model", args.model), ("--dtype", args.dtype), ("--task", args.task), ("--max-batch-tokens", args.max_batch_tokens), ("--max-pending-tokens", args.max_pending_tokens),
-              ("--tensor-parallel-size", args.tensor_parallel_size if args.tensor_parallel_size > 1 else None), ("--busy-poll-linger-ms", args.busy_poll_linger_ms))
+              ("--tensor-parallel-size", args.tensor_parallel_size if args.tensor_parallel_size > 1 else None), ("--busy-poll-linger-ms", args.busy_poll_linger_ms),
+              ("--launch-ahead-ms", args.launch_ahead_ms))
     engine_args = [a for flag, value in passed if value is not None for a in (flag, str(value))] + (["--busy-poll"] if args.busy_poll else [])
     engine_args += ["--local-socket", "off"] if args.no_local_socket else []
     engine_args += [] if args.warm_up else ["--no-warm-up"]

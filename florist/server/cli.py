@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pending-tokens", type=int, default=d.max_pending_tokens, help=f"queued tokens beyond which requests get RESOURCE_EXHAUSTED (default {d.max_pending_tokens})")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (default: off)")
     p.add_argument("--spin-ms", type=float, default=d.spin_ms, help=f"poll a launched batch this long before waiting in a thread (default {d.spin_ms})")
+    p.add_argument("--launch-ahead-ms", type=float, default=None, metavar="MS",
+                   help="while a batch runs, launch the next one MS before the running one is expected back (from the device times "
+                        "of earlier batches of its size), so that requests arriving meanwhile join it rather than form a small batch "
+                        "of their own (default: 0.8 on a GPU engine; inf: launch at once, as a CPU engine does)")
     p.add_argument("--busy-poll", action="store_true",
                    help="keep the event loop spinning while the server is idle instead of sleeping: lower batch-1 latency for one CPU core kept busy (GPU engines; a CPU engine needs that core)")
     p.add_argument("--busy-poll-linger-ms", type=float, default=None, metavar="MS",
@@ -75,11 +79,13 @@ def run(args: argparse.Namespace) -> int:
                          f"CUDA_VISIBLE_DEVICES and --device cuda, not --device {args.device}")
     if args.busy_poll_linger_ms is not None and not args.busy_poll_linger_ms >= 0:
         raise ValueError(f"--busy-poll-linger-ms must be 0 or more; got {args.busy_poll_linger_ms}")
+    if args.launch_ahead_ms is not None and not args.launch_ahead_ms >= 0:
+        raise ValueError(f"--launch-ahead-ms must be 0 or more (inf: launch at once); got {args.launch_ahead_ms}")
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task, tensor_parallel_size=tp if tp > 1 else None)
     prepare(engine, args)
     config = ServerConfig(
         host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,
-        max_pending_tokens=args.max_pending_tokens, metrics_port=args.metrics_port, spin_ms=args.spin_ms,
+        max_pending_tokens=args.max_pending_tokens, metrics_port=args.metrics_port, spin_ms=args.spin_ms, launch_ahead_ms=args.launch_ahead_ms,
         timing_metadata=args.timing_metadata, busy_poll=args.busy_poll, busy_poll_linger_ms=args.busy_poll_linger_ms,
         local_socket=None if args.local_socket in ("off", "") else args.local_socket,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import os
 import sys
 import time
@@ -241,12 +242,29 @@ def batch_token_budget(engine, max_batch_tokens: int | None) -> int:
     return max_batch_tokens or getattr(engine, "graph_max_tokens", None) or 16384
 
 
+# While a batch runs on a GPU, the next one is launched this long before the running one is due
+# back (florist/server/batcher.py). Scenario 4 on the H200 (docs/benchmarks.md): 0.8 ms gave the
+# largest batches without leaving the device idle, against 1.5 ms and launching at once.
+DEFAULT_LAUNCH_AHEAD_MS = 0.8
+
+
+def launch_ahead_s(engine, config: ServerConfig) -> float:
+    """The batcher's launch-ahead time in seconds: the one given, else DEFAULT_LAUNCH_AHEAD_MS on
+    a GPU engine and none (launch at once) on a CPU one, whose batches run in a worker thread."""
+    if config.launch_ahead_ms is not None:
+        if not config.launch_ahead_ms >= 0:
+            raise ValueError(f"launch_ahead_ms must be >= 0 (inf: launch at once); got {config.launch_ahead_ms}")
+        return config.launch_ahead_ms / 1e3
+    return DEFAULT_LAUNCH_AHEAD_MS / 1e3 if str(engine.info.device).startswith("cuda") else math.inf
+
+
 async def start_server(engine, config: ServerConfig = ServerConfig()) -> RunningServer:
     """Start serving `engine` on the running event loop."""
     config = replace(config, max_batch_tokens=batch_token_budget(engine, config.max_batch_tokens))
     metrics = make_metrics()
     scheduler = Scheduler(config.max_batch_tokens, config.max_batch_seqs, config.max_pending_tokens)
-    batcher = Batcher(engine, scheduler, metrics, max_in_flight=config.max_in_flight, launch=config.launch, spin_s=config.spin_ms / 1e3)
+    batcher = Batcher(engine, scheduler, metrics, max_in_flight=config.max_in_flight, launch=config.launch, spin_s=config.spin_ms / 1e3,
+                      launch_ahead_s=launch_ahead_s(engine, config))
     metrics.watch(lambda: scheduler.pending_seqs, lambda: scheduler.pending_tokens, lambda: len(batcher.in_flight))
     service = InferenceService(engine, batcher, config, metrics)
     max_request = 12 * config.max_pending_tokens + _MESSAGE_SLACK_BYTES
