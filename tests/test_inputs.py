@@ -163,3 +163,28 @@ def test_step_refuses_ids_out_of_range_in_any_int_dtype(bert_dir, dtype):
         with pytest.raises(InputError, match="token ids must lie"):
             engine.step(host)
     engine.step(HostBatch(np.array([5, vocab - 1], dtype=dtype), np.array([2], dtype=np.int32))).numpy()
+
+
+def test_texts_and_pairs_get_the_ids_of_a_full_tokenizer_call(default_engine):
+    """The processor tokenizes without character offsets (encode_batch_fast): the same ids and
+    token types as the tokenizer's ordinary call, truncated or not, from either side."""
+    from tokenizers import Tokenizer
+
+    processor = default_engine.text
+    full = Tokenizer.from_file(processor.identity)
+    full.no_padding()
+    rng = np.random.default_rng(7)
+    words = [w for w in full.get_vocab() if w.isalpha()]
+    texts = [" ".join(rng.choice(words, size=int(n))) + " Ünïcödé, punct!! 123" for n in rng.integers(1, 400, size=12)]
+    full.no_truncation()
+    want = [e.ids for e in full.encode_batch(texts)]
+    got = processor.encode([t for t, ids in zip(texts, want) if len(ids) <= processor.max_tokens])
+    assert [g.tolist() for g in got] == [ids for ids in want if len(ids) <= processor.max_tokens]
+    for direction in ("right", "left"):
+        full.enable_truncation(processor.max_tokens, direction=direction)
+        assert [g.tolist() for g in processor.encode(texts, truncate=True, direction=direction)] == [e.ids for e in full.encode_batch(texts)]
+    full.enable_truncation(processor.max_tokens)
+    encs = full.encode_batch([("a query", t) for t in texts])
+    ids, first = processor.encode_pairs("a query", texts, truncate=True)
+    assert [i.tolist() for i in ids] == [e.ids for e in encs]
+    assert first == [len(e.type_ids) - sum(e.type_ids) for e in encs]
