@@ -161,7 +161,11 @@ def test_infinity_is_sent_texts_of_the_same_token_counts(tmp_path):
     for c in cells:
         if c.scenario == 4:
             assert c.infinity_bodies is None and c.bodies_for("infinity") is c.bodies  # already text
+            clients = c.procs * c.clients
+            assert c.requests == -(-16 // clients) * clients  # 4 n, a whole number per client
             continue
+        if c.scenario == 1:
+            assert c.requests == 4
         assert len(c.infinity_bodies) == len(c.bodies)
         for ids_body, text_body in zip(c.bodies, c.infinity_bodies):
             ids, words = json.loads(ids_body)["input"], json.loads(text_body)["input"]
