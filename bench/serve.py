@@ -338,11 +338,12 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
                                "--device", args.device, "--workers", str(args.workers), *dtype, *(["--busy-poll"] if args.busy_poll else []),
                                *(["--gateway-busy-poll"] if args.gateway_busy_poll else []),
                                *([] if args.gateway_reply_spin_ms is None else ["--gateway-reply-spin-ms", str(args.gateway_reply_spin_ms)]), *(["--no-local-socket"] if args.no_local_socket else []),
-                               *([] if args.warm_up else ["--no-warm-up"])], env)
-    baseline = Proc("baseline", [sys.executable, str(ROOT / "bench" / "baseline_server.py"), "--model", str(model["path"]), "--task", model["task"],
-                                 "--device", args.device, "--port", "0", "--http", args.baseline_http, *dtype], env)
-    servers = {"florist": florist, "baseline": baseline}
-    if args.infinity and (model["task"] == "embed" or model.get("family") == "bert"):  # embedders, and cross-encoders to rerank
+                               *([] if args.warm_up else ["--no-warm-up"]), *shlex.split(args.serve_flags)], env)
+    servers = {"florist": florist}
+    if not args.florist_only:
+        servers["baseline"] = Proc("baseline", [sys.executable, str(ROOT / "bench" / "baseline_server.py"), "--model", str(model["path"]),
+                                                "--task", model["task"], "--device", args.device, "--port", "0", "--http", args.baseline_http, *dtype], env)
+    if args.infinity and not args.florist_only and (model["task"] == "embed" or model.get("family") == "bert"):  # embedders, and cross-encoders to rerank
         # NOTE: no telemetry, no hub: the machine reaches nothing outside.
         quiet = dict(env, INFINITY_ANONYMOUS_USAGE_STATS="0", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         quiet["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")  # its own packages come first through --infinity, florist's are not needed
@@ -350,8 +351,9 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
         servers["infinity"] = Proc("infinity", command, quiet)
     try:
         florist.wait_url(r" on (http://[\d.]+:\d+)", 1800)
-        baseline.wait_url(r" on (http://[\d.]+:\d+)", 1800)
-        wait_health(baseline, 300)
+        if "baseline" in servers:
+            servers["baseline"].wait_url(r" on (http://[\d.]+:\d+)", 1800)
+            wait_health(servers["baseline"], 300)
         if "infinity" in servers:
             servers["infinity"].wait_url(r"Uvicorn running on (http://[\d.]+:\d+)", 1800)
             wait_health(servers["infinity"], 300)
@@ -570,18 +572,19 @@ def print_table(cells: list[Cell]) -> None:
     print("\nratio: how many times florist is ahead (baseline / florist for latency, florist / baseline for throughput)")
     print(f"{'scenario':<60}{'metric':>10}{'florist':>12}{'baseline':>12}{'ratio':>9}"
           + (f"{'infinity':>12}{'ratio':>9}" if infinity else "") + f"   n (florist / baseline{' / infinity' if infinity else ''})")
+    alone = not any("baseline" in c.results for c in cells)  # --florist-only
     for c in cells:
-        if c.skipped or not {"florist", "baseline"} <= c.results.keys():
+        if c.skipped or "florist" not in c.results or not (alone or "baseline" in c.results):
             print(f"{c.key:<60}  {'skipped: ' + c.skipped if c.skipped else 'not run (the run stopped first)'}")
             continue
-        f, b, i = c.results["florist"], c.results["baseline"], c.results.get("infinity")
+        f, b, i = c.results["florist"], c.results.get("baseline"), c.results.get("infinity")
         for m in METRICS[c.scenario]:
             unit = UNITS.get(m, "ms")
             name = f"{m} {unit}" if unit == "ms" else unit
-            line = f"{c.key:<60}{name:>10}{f[m]:>12.2f}{b[m]:>12.2f}{ahead(f[m], b[m], unit):>8.2f}x"
+            line = f"{c.key:<60}{name:>10}{f[m]:>12.2f}" + (f"{b[m]:>12.2f}{ahead(f[m], b[m], unit):>8.2f}x" if b else f"{'-':>12}{'':>9}")
             if infinity:
                 line += f"{i[m]:>12.2f}{ahead(f[m], i[m], unit):>8.2f}x" if i else f"{'failed' if 'infinity' in c.failed else '-':>12}{'':>9}"
-            print(f"{line}   {f['n']} / {b['n']}" + (f" / {i['n'] if i else '-'}" if infinity else ""))
+            print(f"{line}   {f['n']} / {b['n'] if b else '-'}" + (f" / {i['n'] if i else '-'}" if infinity else ""))
     for c in cells:
         for server, why in c.sits_out.items():
             if infinity and server == "infinity" and not c.skipped:
@@ -646,7 +649,7 @@ def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
 
     colors = {"florist": "tab:green", "baseline": "tab:gray", "infinity": "tab:blue"}
     written = []
-    done = [c for c in cells if {"florist", "baseline"} <= c.results.keys()]
+    done = [c for c in cells if "florist" in c.results]
 
     def bars(ax, x, c: Cell, value) -> None:
         """One bar per server that ran the cell, side by side around each x."""
@@ -807,6 +810,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gateway-busy-poll", action="store_true", help="run `florist serve --gateway-busy-poll`: the gateway's loop turns while idle and polls for lone replies")
     p.add_argument("--gateway-reply-spin-ms", type=float, default=None, metavar="MS", help="run `florist serve --gateway-reply-spin-ms MS`: a lone request polls for its reply")
     p.add_argument("--no-local-socket", action="store_true", help="run `florist serve --no-local-socket`: gateway to engine over gRPC only")
+    p.add_argument("--serve-flags", default="", metavar="FLAGS",
+                   help="more `florist serve` flags, given with '=' as they start with '--', e.g. --serve-flags=\"--launch-ahead-ms inf\"")
+    p.add_argument("--florist-only", action="store_true",
+                   help="time florist alone (no baseline, no Infinity, no output check): for comparing florist's own settings; "
+                        "the table's other columns stay empty")
     p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
                    help="florist serve's start-up warm-up (its default): GPU engines run the shapes they will meet before serving; "
                         "--no-warm-up passes `florist serve --no-warm-up`")
@@ -824,6 +832,8 @@ def main(argv: list[str] | None = None) -> int:
         cells = [cell_from_row(row) for f in args.replot for row in json.loads(f.read_text())["rows"]]
         print("wrote " + ", ".join(str(w) for w in write_plots(out, [c for c in cells if not c.skipped])))
         return 0
+    if args.florist_only and args.infinity:
+        p.error("--florist-only times florist alone; drop --infinity")
     started = time.perf_counter()
     scenarios = sorted({int(s) for s in args.scenarios.split(",") if s.strip()})
     if not set(scenarios) <= set(SCENARIO_TASK):
@@ -873,6 +883,8 @@ def main(argv: list[str] | None = None) -> int:
                 if warmed:
                     meta["servers"][task]["florist warm-up"] = warmed
                     print("  " + "\n  ".join(warmed), flush=True)
+                if args.florist_only:
+                    print("  check: none (--florist-only: no other server to compare with)", flush=True)
                 running = check_servers(cells, urls, task, running, meta)
                 for cell in cells:
                     if cell.skipped:

@@ -229,3 +229,19 @@ def test_log_axes_label_two_and_five_and_start_a_decade_below_the_lowest_bar():
     assert serve.decade_below([12.2, 58.9]) == 10.0
     assert serve.decade_below([0.35]) == 0.1
     assert serve.decade_below([None, 0]) is None
+
+
+def test_florist_alone_with_more_serve_flags(tmp_path):
+    """--florist-only: no baseline, no check, florist's column only; --serve-flags reach `florist serve`."""
+    stdout = run_serve_bench("--scenarios", "1", "--requests", "3", "--florist-only", "--serve-flags=--launch-ahead-ms 2", "--out", str(tmp_path))
+    assert "check: none (--florist-only" in stdout and "check: min cosine" not in stdout
+    assert re.search(r"1 low-latency embedding, 64 tokens\s+p50 ms\s+[0-9.]+\s+-\s+3 / -", stdout), stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert all("baseline" not in r and r["florist"]["n"] == 3 for r in results["rows"])
+    assert (tmp_path / "scenario1_latency.png").read_bytes()[:4] == b"\x89PNG"
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--smoke", "--scenarios", "1", "--requests", "3", "--florist-only",
+                          "--serve-flags=--launch-ahead-ms -1", "--out", str(tmp_path / "bad")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--launch-ahead-ms must be 0 or more" in bad.stdout + bad.stderr
+    refused = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--smoke", "--florist-only", "--infinity", "python"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "drop --infinity" in refused.stderr
