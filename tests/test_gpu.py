@@ -199,3 +199,34 @@ def test_an_engine_on_the_other_gpu_runs_from_any_thread(qwen3_dir):
         for out, expected in zip(outs, wants):
             assert cosine(out, expected).min() >= 0.9999, name
     assert engine.runner.graphs.stats()["graphs"] == 1
+
+
+def test_a_server_under_closed_loop_clients_answers_each_its_own_rows(qwen3_dir):
+    """The batcher on a CUDA engine, launching ahead (the GPU default): 16 clients each sending
+    its next request when its reply is back get the embedded API's rows, from batches it held
+    while one ran."""
+    import asyncio
+
+    from florist.server.client import InferenceClient
+    from florist.server.service import DEFAULT_LAUNCH_AHEAD_MS, ServerConfig, ServerThread
+
+    engine = florist.Engine.from_pretrained(qwen3_dir, device="cuda")
+    rng = np.random.default_rng(11)
+    clients = [[[rng.integers(5, engine.info.vocab_size, size=int(rng.integers(8, 200))).tolist()] for _ in range(12)] for _ in range(16)]
+    want = [[engine.embed(seqs) for seqs in requests] for requests in clients]
+    with ServerThread(engine, ServerConfig(port=0)) as srv:
+        batcher = srv.running.batcher
+        assert batcher.launch_ahead_s == DEFAULT_LAUNCH_AHEAD_MS / 1e3
+
+        async def client(requests):
+            async with InferenceClient(srv.address, timeout=120) as c:
+                return [await c.embed(seqs) for seqs in requests]
+
+        async def go():
+            return await asyncio.gather(*(client(r) for r in clients))
+
+        got = asyncio.run(go())
+        assert batcher.device_times.seconds, "the batcher learnt no device times"
+    for k, (g, w) in enumerate(zip(got, want)):
+        for j, (a, b) in enumerate(zip(g, w)):
+            assert a.shape == b.shape and cosine(a, b).min() >= 0.9999, (k, j)
