@@ -212,7 +212,7 @@ def test_a_server_under_closed_loop_clients_answers_each_its_own_rows(qwen3_dir)
 
     engine = florist.Engine.from_pretrained(qwen3_dir, device="cuda")
     rng = np.random.default_rng(11)
-    clients = [[[rng.integers(5, engine.info.vocab_size, size=int(rng.integers(8, 200))).tolist()] for _ in range(12)] for _ in range(16)]
+    clients = [[[rng.integers(5, engine.info.vocab_size, size=int(rng.integers(8, engine.info.max_input_tokens + 1))).tolist()] for _ in range(12)] for _ in range(16)]
     want = [[engine.embed(seqs) for seqs in requests] for requests in clients]
     with ServerThread(engine, ServerConfig(port=0)) as srv:
         batcher = srv.running.batcher
