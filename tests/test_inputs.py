@@ -188,3 +188,83 @@ def test_texts_and_pairs_get_the_ids_of_a_full_tokenizer_call(default_engine):
     ids, first = processor.encode_pairs("a query", texts, truncate=True)
     assert [i.tolist() for i in ids] == [e.ids for e in encs]
     assert first == [len(e.type_ids) - sum(e.type_ids) for e in encs]
+
+
+def _messy_texts(rng, words, n):
+    """Texts with what tokenizers trip on: runs of spaces, tabs, newlines, control characters,
+    accents as combining marks, CJK, punctuation, words past WordPiece's 100-character limit,
+    special tokens written out, spaces at both ends."""
+    extras = ["  ", "\t", "\n", " \n ", "\x1c", "\x00", "e\u0301", "Ünïcödé", "漢字テキスト", "...", "!?", "don't", "[SEP]", "[CLS]",
+              "<|im_start|>", "x" * 130, "a\u00a0b", " ", "\u3000"]
+    out = []
+    for _ in range(n):
+        parts = [str(rng.choice(words)) if rng.random() < 0.8 else str(rng.choice(extras)) for _ in range(int(rng.integers(1, 700)))]
+        seps = rng.choice([" ", " ", " ", "", "  ", "\n"], size=len(parts))
+        out.append(("  " if rng.random() < 0.2 else "") + "".join(p + s for p, s in zip(parts, seps)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["default", "bert", "qwen"])
+def test_long_texts_in_pieces_get_the_ids_of_one_call(default_engine, tmp_path, kind):
+    """Texts cut at spaces and tokenized in pieces at once give exactly one call's ids: plain,
+    truncated from either side, with a prompt, for every tokenizer that allows it."""
+    from models import make_tokenizer
+
+    from florist.text import TextProcessor
+
+    if kind == "default":
+        processor = default_engine.text
+    else:
+        make_tokenizer(tmp_path, kind)
+        base = default_engine.text
+        processor = TextProcessor(str(tmp_path / "tokenizer.json"), base.config, base.pipeline)
+    assert processor.split_chars is not None
+    processor.split_chars, processor.piece_chars = 40, 25  # many pieces, cut at every kind of place
+    rng = np.random.default_rng(5)
+    words = [w for w in Tokenizer_vocab(processor) if w.isalpha()]
+    texts = _messy_texts(rng, words, 40) + ["x" * 300, "a " * 200, " " * 100 + "b"]
+    for kwargs in (dict(truncate=True), dict(truncate=True, direction="left"), dict(truncate=True, prompt="query: ")):
+        whole = processor.encode(texts, split=False, **kwargs)
+        pieces = processor.encode(texts, **kwargs)
+        for k, (a, b) in enumerate(zip(whole, pieces)):
+            assert a.tolist() == b.tolist(), (kind, kwargs, k, texts[k][:80])
+    short = [t for t, ids in zip(texts, processor.encode(texts, truncate=True, split=False)) if len(ids) < processor.max_tokens]
+    assert [a.tolist() for a in processor.encode(short)] == [a.tolist() for a in processor.encode(short, split=False)]
+    with pytest.raises(InputError, match="pass truncate=true"):
+        processor.encode(["word " * 2000])
+
+
+def Tokenizer_vocab(processor):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(processor.identity).get_vocab()
+
+
+def test_byte_level_and_metaspace_tokenizers_are_never_cut():
+    """A space belongs to the word after it in byte-level BPE (GPT-2, Qwen) and is a word's mark
+    in Metaspace (SentencePiece): cutting there would change the tokens, so such texts stay whole."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from florist.text import cut_at_spaces, splits_at_spaces
+
+    byte_level = Tokenizer(models.BPE())
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    metaspace = Tokenizer(models.Unigram())
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    replaced = Tokenizer(models.WordPiece({"[UNK]": 0}, unk_token="[UNK]"))
+    replaced.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    replaced.normalizer = normalizers.Replace(" ", "_")
+    none = Tokenizer(models.WordPiece({"[UNK]": 0}, unk_token="[UNK]"))
+    assert not any(splits_at_spaces(t) for t in (byte_level, metaspace, replaced, none))
+    bert = Tokenizer(models.WordPiece({"[UNK]": 0}, unk_token="[UNK]"))
+    bert.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.BertPreTokenizer()])
+    bert.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase(), normalizers.StripAccents()])
+    assert splits_at_spaces(bert)
+    bert.add_special_tokens(["<a b>"])  # an added token with a space in it could be cut in two
+    assert not splits_at_spaces(bert)
+    text = "one two  three" + "x" * 50 + " four"
+    for n in (1, 3, 5, 100):
+        pieces = cut_at_spaces(text, n)
+        assert "".join(pieces) == text and all(p.startswith(" ") for p in pieces[1:])
+    assert cut_at_spaces("x" * 100, 10) == ["x" * 100]
+    assert len(cut_at_spaces("a " * 1000, 1, max_pieces=16)) == 16

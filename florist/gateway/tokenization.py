@@ -5,6 +5,10 @@ prompts, Qwen3 instructions and the reranker chat template, truncation, limits).
 small thread pool: Hugging Face `tokenizers` releases the GIL while it encodes, so one
 request's tokenization overlaps HTTP parsing and response writing for the others.
 
+A long text that finds the pool idle is tokenized in pieces cut at spaces, all at once on the
+tokenizer's own threads, where the tokenizer allows it (`florist.text.splits_at_spaces`: the same
+ids); under load each text is one call, the pool's threads already sharing the cores.
+
 A small call runs on the event loop instead, when the pool is idle: the hand-off to a pool
 thread and back wakes two threads (~0.1 ms, more on a large idle machine), as much as
 tokenizing a few hundred characters costs. "Small" is at most `inline_chars` characters (token
@@ -84,7 +88,10 @@ class Tokenization:
             raise ApiError(400, str(e)) from None
 
     async def encode(self, inputs, *, prompt: str, truncate: bool, direction: str):
-        return await self.run(self.processor.encode, inputs, prompt=prompt, truncate=truncate, direction=direction, chars=cost_chars(inputs, prompt))
+        # A long text alone in this worker is tokenized in pieces on the tokenizer's own threads
+        # (florist.text, same ids); under load the pool's threads have the cores already.
+        return await self.run(self.processor.encode, inputs, prompt=prompt, truncate=truncate, direction=direction, split=self.on_pool == 0,
+                              chars=cost_chars(inputs, prompt))
 
     async def detailed(self, texts: list[str], *, add_special_tokens: bool):
         """Per text: [(id, token text, special, start, stop)] with character offsets."""
