@@ -205,7 +205,7 @@ def _messy_texts(rng, words, n):
 
 
 @pytest.mark.parametrize("kind", ["default", "bert", "qwen"])
-def test_long_texts_in_pieces_get_the_ids_of_one_call(default_engine, tmp_path, kind):
+def test_long_texts_in_pieces_get_the_ids_of_one_call(default_engine, tmp_path, monkeypatch, kind):
     """Texts cut at spaces and tokenized in pieces at once give exactly one call's ids: plain,
     truncated from either side, with a prompt, for every tokenizer that allows it."""
     from models import make_tokenizer
@@ -219,7 +219,9 @@ def test_long_texts_in_pieces_get_the_ids_of_one_call(default_engine, tmp_path, 
         base = default_engine.text
         processor = TextProcessor(str(tmp_path / "tokenizer.json"), base.config, base.pipeline)
     assert processor.split_chars is not None
-    processor.split_chars, processor.piece_chars = 40, 25  # many pieces, cut at every kind of place
+    monkeypatch.setattr(processor, "split_chars", 40)  # many pieces, cut at every kind of place
+    monkeypatch.setattr(processor, "piece_chars", 25)
+    monkeypatch.setattr(processor, "split_max_texts", 1000)
     rng = np.random.default_rng(5)
     words = [w for w in Tokenizer_vocab(processor) if w.isalpha()]
     texts = _messy_texts(rng, words, 40) + ["x" * 300, "a " * 200, " " * 100 + "b"]
@@ -232,6 +234,14 @@ def test_long_texts_in_pieces_get_the_ids_of_one_call(default_engine, tmp_path, 
     assert [a.tolist() for a in processor.encode(short)] == [a.tolist() for a in processor.encode(short, split=False)]
     with pytest.raises(InputError, match="pass truncate=true"):
         processor.encode(["word " * 2000])
+    # Calls of many texts keep each whole: the batch call spreads them over the threads already.
+    monkeypatch.setattr(processor, "split_max_texts", 2)
+    cuts = []
+    in_pieces = processor._encode_in_pieces
+    monkeypatch.setattr(processor, "_encode_in_pieces", lambda tok, texts: cuts.append(len(texts)) or in_pieces(tok, texts))
+    processor.encode(texts[:2], truncate=True)
+    processor.encode(texts[:3], truncate=True)
+    assert cuts == [2]
 
 
 def Tokenizer_vocab(processor):
