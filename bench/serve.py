@@ -27,6 +27,7 @@ requests; throughput is measured over the timed requests of all clients together
     python bench/serve.py --geometry all-minilm-l6-v2 --out r/ # MiniLM embedder + ms-marco cross-encoder geometries
     python bench/serve.py --model /models/Qwen3-Embedding-0.6B --model /models/Qwen3-Reranker-0.6B --out r/
     python bench/serve.py --smoke --out /tmp/smoke             # tiny models on the CPU, a few requests
+    python bench/serve.py --scenarios 4 --florist-only --serve-flags="--launch-ahead-ms inf"   # a florist setting alone
 
 Writes one table to stdout and results.json plus PNG plots to --out (the plots need matplotlib).
 """
