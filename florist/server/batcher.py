@@ -113,8 +113,9 @@ class _InFlight:
 
 
 def cost_key(num_tokens: int, num_seqs: int) -> tuple[int, int]:
-    """Batches that take about as long on the device: tokens to a multiple of 256, sequences
-    to a power of two (as the engine's graph buckets round them)."""
+    """Batches that take about as long on the device: tokens up to a multiple of 256, sequences
+    up to a power of two (coarser than the engine's graph buckets below 1,024 tokens, where a
+    batch's time hardly depends on its size, so fewer sizes go unknown)."""
     return -(-num_tokens // 256), (num_seqs - 1).bit_length()
 
 
@@ -153,6 +154,7 @@ class Batcher:
         self.device_times = DeviceTimes()
         self._last_ready = 0.0  # when the last batch collected was back
         self._hold_timer: asyncio.TimerHandle | None = None
+        self._hold_until = 0.0  # when the armed timer fires (perf_counter)
         self.with_token_types = engine.info.task == "score"
         self.in_flight: deque[_InFlight] = deque()
         self._wakeup = asyncio.Event()
@@ -273,18 +275,26 @@ class Batcher:
         if head.done or head.error is not None:
             return False
         sched = self.scheduler
-        if sched.pending_tokens >= sched.max_batch_tokens or sched.pending_seqs >= sched.max_batch_seqs:
-            return False
+        if not sched.has_pending() or sched.pending_tokens >= sched.max_batch_tokens or sched.pending_seqs >= sched.max_batch_seqs:
+            return False  # nothing to hold (no timer, no wake-up), or a full batch to launch
         cost = self.device_times.estimate(head.batch.num_tokens, head.batch.num_seqs)
         if cost is None:
             return False
-        wait = max(head.launched_at, self._last_ready) + cost - self.launch_ahead_s - time.perf_counter()
-        if wait <= 0:
+        until = max(head.launched_at, self._last_ready) + cost - self.launch_ahead_s
+        now = time.perf_counter()
+        if until <= now:
             return False
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
-        self._hold_timer = asyncio.get_running_loop().call_later(wait, self._wakeup.set)
+        # NOTE: asked on every turn of the loop while it polls a batch: arm a timer only when the
+        # time to launch moved, not once a turn.
+        if self._hold_timer is None or self._hold_until != until:
+            if self._hold_timer is not None:
+                self._hold_timer.cancel()
+            self._hold_timer, self._hold_until = asyncio.get_running_loop().call_later(until - now, self._hold_over), until
         return True
+
+    def _hold_over(self) -> None:
+        self._hold_timer = None  # fired (a timer may fire a little early: the next hold arms another)
+        self._wakeup.set()
 
     def _host_batch(self, batch: Batch) -> HostBatch:
         req0, _ = batch.seqs[0]
