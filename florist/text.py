@@ -41,7 +41,10 @@ def splits_at_spaces(tokenizer: Tokenizer) -> bool:
     tokens gives the whole text's tokens (BERT-style tokenizers: WordPiece behind a per-character
     normalizer and a whitespace / punctuation pre-tokenizer). Byte-level BPE (GPT-2, Qwen) glues
     a space to the word after it, so it is left whole."""
-    spec = json.loads(tokenizer.to_str())
+    # NOTE: each part's own state, not tokenizer.to_str(): that serializes the whole vocabulary
+    # (~9 ms for BERT's 30k entries, far more for a 150k one) at every TextProcessor's start.
+    def state(part):
+        return None if part is None else json.loads(part.__getstate__())
 
     def all_of(node, allowed) -> bool:
         if node is None:
@@ -50,13 +53,14 @@ def splits_at_spaces(tokenizer: Tokenizer) -> bool:
             return all(all_of(n, allowed) for n in node.get("normalizers", node.get("pretokenizers", [])))
         return node.get("type") in allowed
 
-    if spec.get("pre_tokenizer") is None or not all_of(spec["pre_tokenizer"], _SPACE_SPLIT_PRE_TOKENIZERS):
+    pre_tokenizer = state(tokenizer.pre_tokenizer)
+    if pre_tokenizer is None or not all_of(pre_tokenizer, _SPACE_SPLIT_PRE_TOKENIZERS):
         return False
-    if not all_of(spec.get("normalizer"), _PER_CHAR_NORMALIZERS):
+    if not all_of(state(tokenizer.normalizer), _PER_CHAR_NORMALIZERS):
         return False
     # An added token is matched in the raw text before anything else: one with a space in it
     # could be cut in two.
-    return not any(" " in t.get("content", "") or t.get("content", "").isspace() for t in spec.get("added_tokens", []))
+    return not any(" " in t.content or t.content.isspace() for t in tokenizer.get_added_tokens_decoder().values())
 
 
 def cut_at_spaces(text: str, piece_chars: int = PIECE_CHARS, max_pieces: int = MAX_PIECES) -> list[str]:
