@@ -371,6 +371,14 @@ FIRST_SIGHT = re.compile(r"ran a first-sight batch eagerly .*: launched in ([\d.
                          r"Triton kernels compiled (\d+)")
 
 
+COVERED = re.compile(r"replayed a covering CUDA graph ")
+
+
+def covered(lines: list[str]) -> int:
+    """How many batches a florist server ran in a captured graph of a larger bucket (no stall)."""
+    return sum(1 for line in lines if COVERED.search(line))
+
+
 def captures(lines: list[str]) -> list[float]:
     """The capture times (ms) in a florist server's log lines (florist/engine/graph_runner.py)."""
     return [float(m.group(1)) for line in lines if (m := CAPTURED.search(line))]
@@ -784,12 +792,15 @@ def time_cell(cell: Cell, server: str, proc: Proc, cell_seconds: float, task: st
         lines = proc.lines[logged:]
         r["graphs_captured"] = captures(lines)
         r["first_sights"], r["first_sights_cpu"], r["first_sights_compiled"] = first_sights(lines)
+        r["covered_batches"] = covered(lines)
         if r["graphs_captured"]:
             notes.append(f"{len(r['graphs_captured'])} graphs captured ({sum(r['graphs_captured']):.0f} ms)")
         if r["first_sights"]:
             slowest = max(range(len(r["first_sights"])), key=r["first_sights"].__getitem__)
             notes.append(f"{len(r['first_sights'])} first sights (slowest launch {r['first_sights'][slowest]:.0f} ms, "
                          f"{r['first_sights_cpu'][slowest]:.0f} ms of it on the CPU, {r['first_sights_compiled'][slowest]} kernels compiled)")
+        if r["covered_batches"]:
+            notes.append(f"{r['covered_batches']} batches in a covering graph")
     print(f"  {cell.key:<58} {server:<9} n {r['n']:>4}  p50 {r['p50']:9.2f} ms  p99 {r['p99']:9.2f} ms  "
           f"{r['items_per_s']:9.1f} {'emb' if task == 'embed' else 'pairs'}/s  ({time.perf_counter() - t:.1f} s)"
           + "".join("  " + n for n in notes), flush=True)

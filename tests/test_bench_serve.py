@@ -115,6 +115,11 @@ def test_capture_times_are_read_from_the_engine_log():
     assert cpu == [30.2]
     assert compiled == [7]
     assert serve.captures([first]) == []
+    from florist.engine.graph_runner import COVER_LOG
+
+    cover = COVER_LOG % (896, 7, 128, 448, 7, 128, 1, 8)
+    assert serve.covered(lines + [first, "x: " + cover, cover]) == 2
+    assert serve.captures([cover]) == [] and serve.first_sights([cover]) == ([], [], [])
 
 
 def test_serve_bench_drives_infinity(tmp_path):

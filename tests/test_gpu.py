@@ -70,6 +70,7 @@ def test_graph_replay_equals_eager_for_every_bucket(request, fixture):
     path = request.getfixturevalue(fixture)
     engine = florist.Engine.from_pretrained(path, device="cuda")
     runner = engine.runner
+    runner.graphs.rent = 0  # every bucket its own cycle: eager, capture, replay (covering: the test below)
     rng = np.random.default_rng(0)
     seen = set()
     shapes = [(n, m) for n in (1, 2, 3, 5, 9, 17) for m in (8, 60, 100)] + [(1, -64), (1, -128)]
@@ -88,6 +89,36 @@ def test_graph_replay_equals_eager_for_every_bucket(request, fixture):
             torch.testing.assert_close(outs[2], outs[1], atol=1e-6, rtol=1e-5)
             torch.testing.assert_close(outs[1], outs[0], atol=1e-3, rtol=1e-3)  # graph == eager, same bucket
     assert len(runner.graphs.graphs) == len(seen)
+
+
+@pytest.mark.parametrize("fixture", ["bert_dir", "qwen3_dir", "pplx_dir", "cross_encoder_dir"])
+def test_covered_replays_equal_eager(request, fixture):
+    """Batches whose buckets have no graph yet replay a captured graph that covers them
+    (graph_runner.py, "Covering"), their padding spread over dummy sequences: rows as eager."""
+    path = request.getfixturevalue(fixture)
+    engine = florist.Engine.from_pretrained(path, device="cuda")
+    runner = engine.runner
+    runner.graphs.rent = 8  # the default, whatever FLORIST_GRAPH_RENT says
+    rng = np.random.default_rng(5)
+    vocab = engine.info.vocab_size
+
+    def host_of(sizes):
+        seqs = [rng.integers(5, vocab, size=n) for n in sizes]
+        return HostBatch.from_sequences(seqs, [max(1, n // 2) for n in sizes] if engine.info.family == "bert" else None)
+
+    for cover in ([120] * 7, [70] * 5, [250]):  # buckets (896, 8, 128), (384, 8, 128) and, for one sequence, (256, 2, 256)
+        for _ in range(2):
+            runner.step(host_of(cover)).numpy()
+    graphs = dict(runner.graphs.graphs)
+    assert len(graphs) == 3
+    for sizes in ([100, 7, 64], [128, 128, 128, 1], [120, 120, 120, 120, 60], [129], [150]):
+        host = host_of(sizes)
+        assert bucket(host) not in graphs
+        eager = runner.forward(to_device(host, runner.device)).cpu()
+        before = runner.graphs.covered_replays
+        out = runner.step(host).wait().cpu()
+        assert runner.graphs.covered_replays == before + 1 and runner.graphs.graphs == graphs, sizes
+        torch.testing.assert_close(out, eager, atol=2e-2, rtol=2e-2)
 
 
 def test_fp32_on_cuda_runs_without_flash(qwen3_dir):

@@ -137,5 +137,46 @@ def test_embedding_graphs_keep_their_log_lines_and_stats(fake_cuda, caplog):
     captures = messages(caplog, CAPTURE_LOG.split(" for ")[0])
     assert len(captures) == 1 and captures[0].endswith("(1 graphs, 2 MiB)")
     stats = runner.stats()
-    assert set(stats) == {"graphs", "graph_memory_bytes", "capture_seconds", "first_sight_seconds", "max_tokens"}
+    assert set(stats) == {"graphs", "graph_memory_bytes", "capture_seconds", "first_sight_seconds", "max_tokens", "covered_replays"}
     assert stats["graphs"] == 1 and stats["graph_memory_bytes"] == 2 * MIB
+
+
+def test_a_new_bucket_is_covered_by_a_captured_graph_a_bounded_number_of_times(fake_cuda):
+    """A batch whose bucket has no graph replays a captured graph that covers it (its padding
+    spread over dummy sequences), `rent` times, then goes through its own first sight and capture."""
+    runs = []
+
+    def forward(batch):
+        runs.append((batch.num_tokens, batch.num_seqs, batch.max_seqlen))
+        return torch.zeros(batch.num_seqs, 3)
+
+    runner = GraphRunner(forward, torch.device("cpu"), max_tokens=4096, with_token_types=False, rent=2)
+    big = HostBatch.from_sequences([np.arange(1, 121, dtype=np.int32)] * 4)  # 480 tokens: bucket (512, 8, 128)
+    small = HostBatch.from_sequences([np.arange(1, 101, dtype=np.int32)] * 3)  # 300 tokens: bucket (320, 4, 128)
+    for _ in range(2):
+        runner.run(big)  # first sight, capture
+    cover = runner.graphs[(512, 8, 128, False)]
+    assert cover.graph.replays == 1 and runs == [(512, 8, 128)] * 2
+    for replays in (2, 3):
+        out = runner.run(small)
+        assert out.shape == (3, 3) and cover.graph.replays == replays and runner.covered_replays == replays - 1
+        # the cover's static input holds the small batch: 212 padding tokens in two dummies of <= 128
+        cu = cover.static_input[-9:].tolist()
+        assert cu == [0, 100, 200, 300, 428, 512, 512, 512, 512]
+        assert cover.static_input[2 * 512 + 300 : 3 * 512].tolist() == [3] * 128 + [4] * 84  # dummies' sequence ids
+    assert runs == [(512, 8, 128)] * 2  # nothing ran but the cover's replays
+    runner.run(small)  # rent spent: its own first sight
+    runner.run(small)  # and its capture
+    assert runs[2:] == [(320, 4, 128)] * 2 and (320, 4, 128, False) in runner.graphs
+    assert runner.stats()["covered_replays"] == 2 and cover.graph.replays == 3
+    # a bucket nothing covers (more tokens than any graph) is not rented
+    runner.run(HostBatch.from_sequences([np.arange(1, 601, dtype=np.int32)]))
+    assert runs[-1] == (640, 2, 640) and runner.covered_replays == 2
+
+
+def test_rent_zero_never_covers(fake_cuda):
+    runner = GraphRunner(lambda b: torch.zeros(b.num_seqs, 3), torch.device("cpu"), max_tokens=4096, with_token_types=False, rent=0)
+    for _ in range(2):
+        runner.run(HostBatch.from_sequences([np.arange(1, 121, dtype=np.int32)] * 4))
+    runner.run(HostBatch.from_sequences([np.arange(1, 101, dtype=np.int32)] * 3))
+    assert runner.covered_replays == 0 and runner.seen == {(512, 8, 128, False), (320, 4, 128, False)}

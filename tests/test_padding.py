@@ -9,7 +9,7 @@ import torch
 
 import florist
 from florist.engine.batch import HostBatch, pack, to_device, views
-from florist.engine.graph_runner import bucket, seq_bucket, token_bucket
+from florist.engine.graph_runner import bucket, covers, seq_bucket, token_bucket
 
 
 def test_buckets():
@@ -37,6 +37,33 @@ def test_pack_layout():
         pack(host, 6, 2)
 
 
+def test_pack_spreads_padding_over_dummies_no_longer_than_asked():
+    host = HostBatch.from_sequences([[5, 6, 7], [8, 9]])
+    buf = pack(host, 12, 5, longest=3)
+    ids, pos, seq, cu = buf[:12], buf[12:24], buf[24:36], buf[36:]
+    assert ids.tolist() == [5, 6, 7, 8, 9] + [0] * 7
+    assert pos.tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 0, 1, 2, 0]
+    assert seq.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 4]
+    assert cu.tolist() == [0, 3, 5, 8, 11, 12]
+    assert pack(host, 8, 4, longest=3).tolist() == pack(host, 8, 4).tolist()  # one dummy fits: as before
+    with pytest.raises(ValueError, match="at most 3 tokens each"):
+        pack(host, 12, 4, longest=3)  # 7 padding tokens need three dummies of <= 3
+
+
+def test_which_graphs_cover_a_batch():
+    key = (320, 4, 128, False)  # 3 x 100 tokens
+    assert covers((512, 8, 128, False), key, 300, 3, 100)  # 212 padding tokens: two dummies
+    assert covers((384, 4, 128, False), key, 300, 3, 100)  # 84: one dummy, the last slot
+    assert not covers((512, 4, 128, False), key, 300, 3, 100)  # two dummies, one slot left
+    assert not covers((768, 16, 128, False), key, 300, 3, 100)  # more than twice the bucket's tokens
+    assert not covers((512, 8, 64, False), key, 300, 3, 100)  # a sequence longer than the graph's longest
+    assert not covers((256, 8, 128, False), key, 300, 3, 100)  # too few tokens
+    assert not covers(key, key, 300, 3, 100)
+    assert not covers((384, 2, 384, True), (320, 2, 512, False), 300, 1, 300)  # an unpadded graph runs its own shape only
+    assert covers((384, 2, 512, False), (320, 2, 512, False), 300, 1, 300)  # one sequence in a one-sequence graph
+    assert not covers((384, 2, 512, False), (320, 4, 256, False), 300, 2, 200)  # two in a one-sequence graph: never
+
+
 @pytest.mark.parametrize("fixture", ["bert_dir", "qwen3_dir", "pplx_dir", "cross_encoder_dir", "reranker_dir"])
 def test_padded_batch_gives_the_same_rows(request, fixture):
     path = request.getfixturevalue(fixture)
@@ -52,5 +79,26 @@ def test_padded_batch_gives_the_same_rows(request, fixture):
         tokens, seqs, max_seqlen, exact = bucket(host)
         padded = views(torch.from_numpy(pack(host, tokens, seqs)), tokens, seqs, host.token_type_ids is not None,
                        max_seqlen=max_seqlen, seq_lens_host=(), single_sequence=num_seqs == 1, has_padding=not exact)
+        out = engine.runner.forward(padded)[:num_seqs]
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fixture", ["bert_dir", "qwen3_dir", "pplx_dir", "cross_encoder_dir", "reranker_dir"])
+def test_a_covering_layout_gives_the_same_rows(request, fixture):
+    """A batch run in a larger graph bucket (graph_runner: covering), its padding over several dummies."""
+    path = request.getfixturevalue(fixture)
+    engine = florist.Engine.from_pretrained(path, device="cpu", task="score" if "reranker" in fixture else None)
+    rng = np.random.default_rng(1)
+    for num_seqs in (1, 3):
+        seqs = [rng.integers(5, engine.info.vocab_size, size=int(rng.integers(20, 60))) for _ in range(num_seqs)]
+        first = [max(1, len(s) // 2) for s in seqs] if engine.info.family == "bert" else None
+        host = HostBatch.from_sequences(seqs, first)
+        ref = engine.runner.forward(to_device(host, torch.device("cpu")))
+        key = bucket(host)
+        cover = (2 * key[0], 8, 64, False) if num_seqs > 1 else (key[0] + 64, 2, 128, False)
+        assert covers(cover, key, host.num_tokens, num_seqs, host.max_seqlen)
+        tokens, seqs_, longest, _ = cover
+        padded = views(torch.from_numpy(pack(host, tokens, seqs_, longest=longest)), tokens, seqs_, host.token_type_ids is not None,
+                       max_seqlen=longest, seq_lens_host=(), single_sequence=seqs_ == 2, has_padding=True)
         out = engine.runner.forward(padded)[:num_seqs]
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -113,7 +113,8 @@ def packed_size(num_tokens: int, num_seqs: int, with_types: bool) -> int:
     return (4 if with_types else 3) * num_tokens + num_seqs + 1
 
 
-def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = None, out: np.ndarray | None = None,
+         longest: int | None = None) -> np.ndarray:
     """Lay a batch out as one int32 array [ids | positions | seq_ids | token_types? | cu_seqlens],
     padded to `num_tokens` tokens and `num_seqs` sequences (into `out` when given, e.g. a pinned
     staging buffer of `packed_size(...)` elements):
@@ -121,11 +122,21 @@ def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = 
         ids        t0 t1 t2 u0 u1 | 0  0  0        (padding tokens: id 0)
         seq_ids     0  0  0  1  1 | 2  2  2        (the dummy sequence B = 2 owns the padding)
         cu_seqlens  0  3  5  8  8  8  8  8  8      (B real + dummy + empty ones up to num_seqs)
+
+    With `longest` no dummy sequence is longer: the padding is spread over as many dummies as
+    that takes (a graph captured for sequences of at most `longest` tokens replaying a batch of
+    fewer tokens; graph_runner.py, "Covering"), e.g. longest = 2:
+
+        seq_ids     0  0  0  1  1 | 2  2  3        cu_seqlens  0  3  5  7  8  8  8  8  8
     """
     t, b = host.num_tokens, host.num_seqs
     tb, bb = num_tokens or t, num_seqs or b
-    if tb < t or bb < b + (tb > t):
-        raise ValueError(f"bucket ({tb} tokens, {bb} sequences) cannot hold {t} tokens in {b} sequences plus padding")
+    pad = tb - t
+    step = max(longest or pad, 1)
+    dummies = -(-pad // step)
+    if pad < 0 or bb < b + dummies:
+        raise ValueError(f"bucket ({tb} tokens, {bb} sequences{f', at most {longest} tokens each' if longest else ''}) "
+                         f"cannot hold {t} tokens in {b} sequences plus padding")
     with_types = host.token_type_ids is not None
     size = packed_size(tb, bb, with_types)
     if out is None:
@@ -137,8 +148,9 @@ def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = 
     cu = buf[-(bb + 1) :]
     cu[0] = 0
     np.cumsum(host.seq_lens, out=cu[1 : b + 1])
-    cu[b + 1 :] = tb
-    count = _arange(max(tb, bb))
+    count = _arange(max(tb, bb) + 1)
+    cu[b + 1 : b + 1 + dummies] = np.minimum(t + step * count[1 : dummies + 1], tb)
+    cu[b + 1 + dummies :] = tb
     ids[:t] = host.input_ids
     ids[t:] = 0
     if b == 1:  # the common batch-1 case: no repeats needed
@@ -147,8 +159,12 @@ def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = 
     else:
         pos[:t] = count[:t] - np.repeat(cu[:b], host.seq_lens)
         seq[:t] = np.repeat(count[:b], host.seq_lens)
-    pos[t:] = count[: tb - t]
-    seq[t:] = b
+    if dummies <= 1:
+        pos[t:] = count[:pad]
+        seq[t:] = b
+    else:
+        pos[t:] = count[:pad] % step
+        seq[t:] = b + count[:pad] // step
     if with_types:
         buf[3 * tb : 3 * tb + t] = host.token_type_ids
         buf[3 * tb + t : 4 * tb] = 0

@@ -18,6 +18,22 @@ graph reads and the output tensor it writes. Padding is harmless by construction
 sequence whose pooled row is sliced off, and attention never mixes sequences.
 Batches above `max_tokens` run eagerly (there the GPU time dwarfs launch costs).
 
+Covering. A first sight (20-40 ms of eager launches for a 28-layer model) and a capture (20-100
+ms) each stall the batch that meets them, and a server whose traffic changes meets new buckets
+while its clients wait. So a batch whose bucket has no graph yet is first served by a captured
+graph that covers it, if one does: more tokens (at most `COVER_RATIO` times its own bucket's),
+enough sequence slots, and a longest-sequence bucket that holds its longest sequence; `pack`
+spreads the extra padding over as many dummy sequences as that bucket allows. Such a replay costs
+the device the cover's extra tokens, so it is rented a bounded number of times (`rent`, default
+`RENT_SIGHTS`; 0: never) before the bucket gets its own graph (a first sight, then a capture):
+a bucket that comes back often stops paying for padding, one that turns up a few times in passing
+never stalls anything.
+
+    bucket captured         -> replay its graph
+    else, a cover captured  -> replay the cover (up to `rent` times for this bucket)
+    else, seen before       -> capture, then replay
+    else                    -> first sight (eager)
+
 A capture happens while a server runs (it stalls that batch by tens of ms), so each is logged
 with its time and the graph memory so far; `stats()` sums them (the cycle and its accounting:
 lazy_graphs.py). A first sight is logged too, with the host time its launch
@@ -32,6 +48,7 @@ captures go through `torch.cuda.graph`.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from typing import Callable
 
@@ -48,6 +65,9 @@ CAPTURE_LOG = "captured a CUDA graph for %d tokens, up to %d sequences, longest 
 # Read back the same way: keep "ran a first-sight batch eagerly" and "launched in N ms".
 # The thread's CPU time beside the wall time tells work (compiling, Python) from waiting (the GIL, a device sync),
 # and the Triton kernels compiled or loaded from its disk cache meanwhile (kernels/compile_watch.py) tell compiling apart.
+# Read back the same way: keep "replayed a covering CUDA graph".
+COVER_LOG = ("replayed a covering CUDA graph of %d tokens, up to %d sequences, longest %d, for a batch of %d tokens, up to %d "
+             "sequences, longest %d (%d of %d before its own graph)")
 FIRST_SIGHT_LOG = ("ran a first-sight batch eagerly for %d tokens, up to %d sequences, longest %d: launched in %.1f ms "
                    "(%.1f ms of this thread's CPU; Triton kernels compiled %d, loaded from its cache %d)")
 
@@ -77,11 +97,34 @@ def bucket(host: HostBatch) -> tuple[int, int, int, bool]:
     return bucket_of(host.num_tokens, host.num_seqs, host.max_seqlen)
 
 
+Key = tuple[int, int, int, bool]  # (tokens, sequences, longest, exact single): bucket_of
+COVER_RATIO = 2  # a cover replays at most this many times the tokens of the batch's own bucket
+# Covered replays of one bucket before it gets its own graph. With at most 2x the tokens, 8 covered
+# batches cost the device at most 8 batches' time: a few ms for small batches, tens of ms for
+# thousands of tokens, about what the first sight and capture they put off would have stalled.
+# FLORIST_GRAPH_RENT sets it (0: no covering, every new bucket is captured on its second sight).
+RENT_SIGHTS = int(os.environ.get("FLORIST_GRAPH_RENT", "8"))
+
+
+def covers(cover: Key, key: Key, num_tokens: int, num_seqs: int, max_seqlen: int) -> bool:
+    """Whether the graph of bucket `cover` can run a batch of bucket `key` (num_tokens in num_seqs
+    sequences, the longest max_seqlen): an unpadded graph runs only its own shape; a graph of one
+    real sequence (two slots) only one sequence; and the padding must fit its dummy sequences."""
+    tokens, seqs, longest, exact_single = cover
+    if exact_single or cover == key or not key[0] <= tokens <= COVER_RATIO * key[0] or max_seqlen > longest:
+        return False
+    return num_seqs + -(-(tokens - num_tokens) // longest) <= seqs and (seqs > 2 or num_seqs == 1)
+
+
 class GraphRunner(LazyGraphs):
-    def __init__(self, forward: Callable[[RaggedBatch], torch.Tensor], device: torch.device, *, max_tokens: int, with_token_types: bool):
+    def __init__(self, forward: Callable[[RaggedBatch], torch.Tensor], device: torch.device, *, max_tokens: int, with_token_types: bool,
+                 rent: int = RENT_SIGHTS):
         super().__init__(device, log, CAPTURE_LOG, FIRST_SIGHT_LOG)
         self.forward, self.max_tokens = forward, max_tokens
         self.with_types = with_token_types
+        self.rent = rent
+        self.rented: dict[Key, int] = {}  # covered replays so far, per bucket without a graph of its own
+        self.covered_replays = 0
         # Callers keep up to two batches in flight and may launch a third before reading the
         # first: four pinned input buffers mean refilling one never waits on a running batch.
         self.staging = InputStaging(device, ring=4)
@@ -93,9 +136,16 @@ class GraphRunner(LazyGraphs):
         """Device output rows [:B] of the padded batch; launched, not waited on."""
         key = bucket(host)
         host = self._with_token_types(host)
-        # Packed straight into a pinned staging buffer: no allocation, one copy to the device.
-        pack(host, key[0], key[1], out=self.staging.buffer(packed_size(key[0], key[1], self.with_types)))
         entry = self.graphs.get(key)
+        if entry is None and self.rented.get(key, 0) < self.rent:
+            cover = self._cover(key, host)
+            if cover is not None:
+                self.rented[key] = self.rented.get(key, 0) + 1
+                self.covered_replays += 1
+                log.info(COVER_LOG, *self.log_fields(cover), *self.log_fields(key), self.rented[key], self.rent)
+                key, entry = cover, self.graphs[cover]
+        # Packed straight into a pinned staging buffer: no allocation, one copy to the device.
+        pack(host, key[0], key[1], out=self.staging.buffer(packed_size(key[0], key[1], self.with_types)), longest=key[2])
         if entry is None and key in self.seen:
             entry = self.capture(key, self.staging.send(), lambda static: self.forward(self._views(static, key)))
         if entry is None:
@@ -103,6 +153,11 @@ class GraphRunner(LazyGraphs):
         self.staging.send(out=entry.static_input)
         entry.graph.replay()
         return entry.output[: host.num_seqs]
+
+    def _cover(self, key: Key, host: HostBatch) -> Key | None:
+        """The captured bucket of fewest tokens (then sequences) that can run `host`, if any."""
+        fits = [k for k in self.graphs if covers(k, key, host.num_tokens, host.num_seqs, host.max_seqlen)]
+        return min(fits, default=None, key=lambda k: (k[0], k[1], k[2]))
 
     def _with_token_types(self, host: HostBatch) -> HostBatch:
         """One graph per bucket serves single texts and pairs alike: BERT always gets token
@@ -125,4 +180,4 @@ class GraphRunner(LazyGraphs):
         return key[0], key[1] - 1, key[2]  # tokens, sequences (the dummy's place left out), longest
 
     def stats(self) -> dict:
-        return {"graphs": len(self.graphs), **self.cost(), "max_tokens": self.max_tokens}
+        return {"graphs": len(self.graphs), **self.cost(), "max_tokens": self.max_tokens, "covered_replays": self.covered_replays}
