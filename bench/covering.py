@@ -3,19 +3,17 @@
 A graph bucket's first batch runs eagerly and its second captures a graph (tens of ms each, the
 batch waits); with covering (florist/engine/graph_runner.py, "Covering") a batch whose bucket has
 no graph first replays a captured graph that holds it, up to `rent` times. This script sends the
-same stream of batches, one after another, to fresh engines of each setting RENT/HOT (rent: covered
-replays a bucket may have; hot: none once it comes back within that many batches; by default 0/0,
-no covering, 8/0 and 8/64, the engine's default), alternating, after the warm-up a server runs,
-and prints per setting the batches' wall times (launch to rows on the host) and what the graph
-runner did during the stream: new buckets run eagerly ("first"), graphs captured, covered
-replays, and the host time of the first sights and captures ("stalls s").
+same stream of batches, one after another, to fresh engines with rent 0 (no covering) and rent 8
+(the default), alternating, after the warm-up a server runs, and prints per setting the batches'
+wall times (launch to rows on the host) and what the graph runner did during the stream: new
+buckets run eagerly ("first"), graphs captured, covered replays, and the host time of the first
+sights and captures ("stalls s").
 
 The stream: batches of k sequences, k drawn from a Zipf law (k = 1 most often, up to 16), each
 sequence of U(16..512) tokens; so a few buckets come often and many come once or twice, as
 under concurrent requests of mixed lengths.
 
     python bench/covering.py                      # Qwen3-0.6B geometry, CUDA, 400 batches, 2 rounds
-    python bench/covering.py --settings 0/0 8/64  # two settings only
     python bench/covering.py --smoke              # tiny model, few batches: the code path only
 """
 
@@ -65,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny model, 30 batches, 1 round")
     p.add_argument("--batches", type=int, default=None, help="batches in the stream (default 400; 30 with --smoke)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds of the settings, alternating (default 2; 1 with --smoke)")
-    p.add_argument("--settings", nargs="+", default=["0/0", "8/0", "8/64"], help="RENT/HOT settings compared (default 0/0 8/0 8/64)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of the two settings, alternating (default 2; 1 with --smoke)")
+    p.add_argument("--rent", type=int, nargs="+", default=[0, 8], help="the settings compared (default 0 8)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("covering: needs CUDA (graph buckets exist only there)")
@@ -78,19 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp) / geometry, geometry, dtype=torch.bfloat16)
         for r in range(rounds):
-            for setting in args.settings:
-                rent, hot = (int(x) for x in setting.split("/"))
+            for rent in args.rent:
                 engine = Engine.from_pretrained(path, device="cuda")
-                engine.runner.graphs.rent, engine.runner.graphs.hot_window = rent, hot
+                engine.runner.graphs.rent = rent
                 engine.warm_up(max_seqs=32)  # as `florist serve` does before it listens (its batches: at most 32 sequences here)
                 batches = stream(1000 + r, n, engine.info.vocab_size, 16, 512)
-                rows.append((r + 1, setting, run(engine, batches)))
+                rows.append((r + 1, rent, run(engine, batches)))
                 del engine
                 torch.cuda.empty_cache()
     print(f"\n{n} batches one after another, {geometry}, k ~ Zipf(1.6) <= 16 sequences of U(16..512) tokens, {torch.cuda.get_device_name()}")
-    print(f"{'round':>5}{'rent/hot':>9}{'total s':>9}{'p50 ms':>8}{'p99 ms':>8}{'max ms':>8}{'>10 ms':>8}{'first':>6}{'graphs':>8}{'covered':>9}{'stalls s':>10}")
-    for r, setting, x in rows:
-        print(f"{r:>5}{setting:>9}{x['total_s']:>9.2f}{x['p50']:>8.2f}{x['p99']:>8.2f}{x['max']:>8.1f}{x['over_10ms']:>8}{x['first_sights']:>6}"
+    print(f"{'round':>5}{'rent':>6}{'total s':>9}{'p50 ms':>8}{'p99 ms':>8}{'max ms':>8}{'>10 ms':>8}{'first':>6}{'graphs':>8}{'covered':>9}{'stalls s':>10}")
+    for r, rent, x in rows:
+        print(f"{r:>5}{rent:>6}{x['total_s']:>9.2f}{x['p50']:>8.2f}{x['p99']:>8.2f}{x['max']:>8.1f}{x['over_10ms']:>8}{x['first_sights']:>6}"
               f"{x['captures']:>8}{x['covered']:>9}{x['stall_s']:>10.2f}")
     return 0
 

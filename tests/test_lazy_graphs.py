@@ -150,7 +150,7 @@ def test_a_new_bucket_is_covered_by_a_captured_graph_a_bounded_number_of_times(f
         runs.append((batch.num_tokens, batch.num_seqs, batch.max_seqlen))
         return torch.zeros(batch.num_seqs, 3)
 
-    runner = GraphRunner(forward, torch.device("cpu"), max_tokens=4096, with_token_types=False, rent=2, hot_window=0)
+    runner = GraphRunner(forward, torch.device("cpu"), max_tokens=4096, with_token_types=False, rent=2)
     big = HostBatch.from_sequences([np.arange(1, 121, dtype=np.int32)] * 4)  # 480 tokens: bucket (512, 8, 128)
     small = HostBatch.from_sequences([np.arange(1, 101, dtype=np.int32)] * 3)  # 300 tokens: bucket (320, 4, 128)
     for _ in range(2):
@@ -180,22 +180,3 @@ def test_rent_zero_never_covers(fake_cuda):
         runner.run(HostBatch.from_sequences([np.arange(1, 121, dtype=np.int32)] * 4))
     runner.run(HostBatch.from_sequences([np.arange(1, 101, dtype=np.int32)] * 3))
     assert runner.covered_replays == 0 and runner.seen == {(512, 8, 128, False), (320, 4, 128, False)}
-
-
-def test_a_bucket_that_comes_back_soon_gets_its_own_graph(fake_cuda):
-    """Within `hot_window` batches of its last sight a bucket is frequent: no more covering."""
-    runner = GraphRunner(lambda b: torch.zeros(b.num_seqs, 3), torch.device("cpu"), max_tokens=4096, with_token_types=False,
-                         rent=8, hot_window=3)
-    big = HostBatch.from_sequences([np.arange(1, 121, dtype=np.int32)] * 4)
-    small = HostBatch.from_sequences([np.arange(1, 101, dtype=np.int32)] * 3)
-    other = HostBatch.from_sequences([np.arange(1, 9, dtype=np.int32)])
-    for _ in range(2):
-        runner.run(big)
-    runner.run(small)  # first sight of its bucket: covered
-    for _ in range(3):
-        runner.run(other)
-    runner.run(small)  # 4 batches later: still rare, covered
-    assert runner.covered_replays == 2 and (320, 4, 128, False) not in runner.seen
-    runner.run(small)  # right after: frequent, its own first sight
-    runner.run(small)  # and capture
-    assert runner.covered_replays == 2 and (320, 4, 128, False) in runner.graphs

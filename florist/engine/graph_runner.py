@@ -24,16 +24,15 @@ while its clients wait. So a batch whose bucket has no graph yet is first served
 graph that covers it, if one does: more tokens (at most `COVER_RATIO` times its own bucket's),
 enough sequence slots, and a longest-sequence bucket that holds its longest sequence; `pack`
 spreads the extra padding over as many dummy sequences as that bucket allows. Such a replay costs
-the device the cover's extra tokens, so it is rented while the bucket is rare: at most `rent`
-times (default `RENT_SIGHTS`; 0: never), and no more once it comes back within `hot_window`
-batches of its last sight (default `HOT_WINDOW`). Then it gets its own graph (a first sight, then
-a capture): a bucket that comes back often stops paying for padding at once, one that turns up a
-few times in passing never stalls anything.
+the device the cover's extra tokens, so it is rented a bounded number of times (`rent`, default
+`RENT_SIGHTS`; 0: never) before the bucket gets its own graph (a first sight, then a capture):
+a bucket that comes back often stops paying for padding, one that turns up a few times in passing
+never stalls anything.
 
-    bucket captured                      -> replay its graph
-    else, rare and a cover captured      -> replay the cover
-    else, seen before                    -> capture, then replay
-    else                                 -> first sight (eager)
+    bucket captured         -> replay its graph
+    else, a cover captured  -> replay the cover (up to `rent` times for this bucket)
+    else, seen before       -> capture, then replay
+    else                    -> first sight (eager)
 
 A capture happens while a server runs (it stalls that batch by tens of ms), so each is logged
 with its time and the graph memory so far; `stats()` sums them (the cycle and its accounting:
@@ -105,10 +104,6 @@ COVER_RATIO = 2  # a cover replays at most this many times the tokens of the bat
 # thousands of tokens, about what the first sight and capture they put off would have stalled.
 # FLORIST_GRAPH_RENT sets it (0: no covering, every new bucket is captured on its second sight).
 RENT_SIGHTS = int(os.environ.get("FLORIST_GRAPH_RENT", "8"))
-# A bucket seen again within this many batches is frequent: it gets its own graph now (under
-# concurrent traffic every bucket comes back within a few batches, and its covered replays would
-# only add padding before the same first sight and capture). 0: rent up to RENT_SIGHTS regardless.
-HOT_WINDOW = int(os.environ.get("FLORIST_GRAPH_HOT_WINDOW", "64"))
 
 
 def covers(cover: Key, key: Key, num_tokens: int, num_seqs: int, max_seqlen: int) -> bool:
@@ -123,14 +118,12 @@ def covers(cover: Key, key: Key, num_tokens: int, num_seqs: int, max_seqlen: int
 
 class GraphRunner(LazyGraphs):
     def __init__(self, forward: Callable[[RaggedBatch], torch.Tensor], device: torch.device, *, max_tokens: int, with_token_types: bool,
-                 rent: int = RENT_SIGHTS, hot_window: int = HOT_WINDOW):
+                 rent: int = RENT_SIGHTS):
         super().__init__(device, log, CAPTURE_LOG, FIRST_SIGHT_LOG)
         self.forward, self.max_tokens = forward, max_tokens
         self.with_types = with_token_types
-        self.rent, self.hot_window = rent, hot_window
+        self.rent = rent
         self.rented: dict[Key, int] = {}  # covered replays so far, per bucket without a graph of its own
-        self.last_sight: dict[Key, int] = {}  # the batch count at each such bucket's last sight
-        self.batches = 0
         self.covered_replays = 0
         # Callers keep up to two batches in flight and may launch a third before reading the
         # first: four pinned input buffers mean refilling one never waits on a running batch.
@@ -144,8 +137,7 @@ class GraphRunner(LazyGraphs):
         key = bucket(host)
         host = self._with_token_types(host)
         entry = self.graphs.get(key)
-        self.batches += 1
-        if entry is None and self._rare(key):
+        if entry is None and self.rented.get(key, 0) < self.rent:
             cover = self._cover(key, host)
             if cover is not None:
                 self.rented[key] = self.rented.get(key, 0) + 1
@@ -161,12 +153,6 @@ class GraphRunner(LazyGraphs):
         self.staging.send(out=entry.static_input)
         entry.graph.replay()
         return entry.output[: host.num_seqs]
-
-    def _rare(self, key: Key) -> bool:
-        """Whether a bucket without a graph may still be covered (and notes this sight)."""
-        last, self.last_sight[key] = self.last_sight.get(key), self.batches
-        hot = self.hot_window > 0 and last is not None and self.batches - last <= self.hot_window
-        return not hot and self.rented.get(key, 0) < self.rent
 
     def _cover(self, key: Key, host: HostBatch) -> Key | None:
         """The captured bucket of fewest tokens (then sequences) that can run `host`, if any."""
