@@ -159,7 +159,7 @@ def pack(host: HostBatch, num_tokens: int | None = None, num_seqs: int | None = 
     else:
         pos[:t] = count[:t] - np.repeat(cu[:b], host.seq_lens)
         seq[:t] = np.repeat(count[:b], host.seq_lens)
-    if dummies <= 1:
+    if dummies <= 1:  # every batch in its own bucket: one dummy, no division on the hot path
         pos[t:] = count[:pad]
         seq[t:] = b
     else:

@@ -139,13 +139,11 @@ class GraphRunner(LazyGraphs):
         key = bucket(host)
         host = self._with_token_types(host)
         entry = self.graphs.get(key)
-        if entry is None and self.rented.get(key, 0) < self.rent:
-            cover = self._cover(key, host)
-            if cover is not None:
-                self.rented[key] = self.rented.get(key, 0) + 1
-                self.covered_replays += 1
-                log.info(COVER_LOG, *self.log_fields(cover), *self.log_fields(key), self.rented[key], self.rent)
-                key, entry = cover, self.graphs[cover]
+        if entry is None and (rented := self.rented.get(key, 0)) < self.rent and (cover := self._cover(key, host)) is not None:
+            self.rented[key] = rented + 1
+            self.covered_replays += 1
+            log.info(COVER_LOG, *self.log_fields(cover), *self.log_fields(key), rented + 1, self.rent)
+            key, entry = cover, self.graphs[cover]
         # Packed straight into a pinned staging buffer: no allocation, one copy to the device.
         pack(host, key[0], key[1], out=self.staging.buffer(packed_size(key[0], key[1], self.with_types)), longest=key[2])
         if entry is None and key in self.seen:
