@@ -4,18 +4,15 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import ROOT, run_bench
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "covering.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+def run(*args: str):
+    return run_bench("covering.py", *args)
 
 
 def test_the_stream_has_a_long_tail():
@@ -33,12 +30,6 @@ def test_the_stream_has_a_long_tail():
         counts[bucket(b)] = counts.get(bucket(b), 0) + 1
     assert len(counts) > 40 and sum(1 for c in counts.values() if c == 1) > 10 and max(counts.values()) > 10  # many buckets, some once, a few often
     assert [b.seq_lens.tolist() for b in covering.stream(7, 400, 1000, 16, 512)] == [b.seq_lens.tolist() for b in batches]  # seeded
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
-def test_without_cuda_it_says_so():
-    out = run("--smoke")
-    assert out.returncode == 1 and "needs CUDA" in out.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -4,25 +4,14 @@ side from an empty Triton cache (GPU only: the warm-up compiles GPU kernels)."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "generate_warm_up.py"), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+from bench_scripts import run_bench
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
-def test_without_cuda_it_says_so():
-    out = run("--smoke")
-    assert out.returncode == 1 and "needs CUDA" in out.stdout
+def run(*args: str):
+    return run_bench("generate_warm_up.py", *args, timeout=900)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
