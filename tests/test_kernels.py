@@ -170,3 +170,121 @@ def test_public_ops_capture_in_cuda_graph():
     graph.replay()
     for a, e in zip(outs, forward(fresh)):
         assert torch.equal(a, e)
+
+
+def test_pdl_launch_args_off_the_gpu(monkeypatch):
+    """Programmatic dependent launch never applies to CPU tensors: the kernels get PDL=False and
+    no launch option."""
+    from florist.kernels import pdl
+
+    for enabled in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", enabled)
+        assert pdl.launch_args(torch.zeros(1)) == {"PDL": False}
+
+
+@pytest.mark.parametrize("value, enabled", [("", True), ("wait", True), (" Wait", True), ("off", False), ("OFF", False), ("early", "error")])
+def test_pdl_mode_from_the_environment(value, enabled):
+    script = "from florist.kernels import pdl; print(pdl.ENABLED)"
+    env = _subprocess_env()
+    env.pop("FLORIST_PDL", None)
+    if value:
+        env["FLORIST_PDL"] = value
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if enabled == "error":
+        assert proc.returncode != 0 and "FLORIST_PDL='early'" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip() == str(enabled)
+
+
+def _prefill_layer_chain(rows: int, seed: int):
+    """A Qwen3-0.6B layer's florist kernels in the order the model launches them for one sequence
+    of `rows` tokens (cuBLAS for qkv, and for gate/up above 64 rows), on fresh random inputs."""
+    from florist.kernels.short_attention import short_attention
+    from florist.kernels.skinny_gemm import skinny_gemm
+    from florist.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    hidden, heads, kv_heads, dim, inter, eps = 1024, 16, 8, 128, 3072, 1e-6
+    t = {"x": rnd(rows, hidden), "res": rnd(rows, hidden), "w1": rnd(hidden), "w2": rnd(hidden), "w3": rnd(hidden),
+         "qkv": rnd((heads + 2 * kv_heads) * dim, hidden, scale=0.03), "qw": rnd(dim), "kw": rnd(dim),
+         "o": rnd(hidden, heads * dim, scale=0.02), "gate_up": rnd(2 * inter, hidden, scale=0.03), "down": rnd(hidden, inter, scale=0.02),
+         "pos": torch.arange(rows, device="cuda"), "cu": torch.tensor([0, rows], dtype=torch.int32, device="cuda"),
+         "cache": RotaryEmbedding(dim, 4096, 1e6).cos_sin_cache.cuda()}
+
+    def forward(t):
+        h, res = norms.add_rms_norm(t["x"], t["res"], t["w1"], eps)
+        q, k, v = torch.nn.functional.linear(h, t["qkv"]).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q, k = rotary.qk_norm_rope(q.view(rows, heads, dim), k.view(rows, kv_heads, dim), t["qw"], t["kw"], eps, t["pos"], t["cache"])
+        a = short_attention(q, k, v.view(rows, kv_heads, dim), t["cu"], rows, True, dim ** -0.5)
+        h, res = norms.add_rms_norm(skinny_gemm(a.view(rows, heads * dim), t["o"], defer_reduce=True), res, t["w2"], eps)
+        act = skinny_gemm(h, t["gate_up"], silu_mul=True)
+        out, res = norms.add_rms_norm(skinny_gemm(act, t["down"], defer_reduce=True), res, t["w3"], eps)
+        return [q, k, a, h, act, out, res]
+
+    return t, forward
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("rows", [37, 128])
+def test_pdl_gives_the_same_bits(rows, monkeypatch):
+    """A prefill layer's kernels launched with programmatic dependent launch give the bits they
+    give without it: eagerly, and replayed in a CUDA graph on fresh inputs."""
+    from florist.kernels import pdl
+
+    if pdl.gdc_wait is None:
+        pytest.skip("this Triton has no grid dependency control")
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    static, forward = _prefill_layer_chain(rows, seed=0)
+    fresh, _ = _prefill_layer_chain(rows, seed=1)
+    want_static, want_fresh = forward(static), forward(fresh)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.launch_args(static["x"])["PDL"]
+    for a, e in zip(forward(static), want_static):
+        assert torch.equal(a, e), "eager"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = forward(static)
+    for name in static:
+        static[name].copy_(fresh[name])
+    graph.replay()
+    for a, e in zip(outs, want_fresh):
+        assert torch.equal(a, e), "graph replay"
+
+
+@pytest.mark.parametrize("pdl_on", [True, False])
+def test_pdl_product_compiles_for_hopper(pdl_on):
+    """The product kernel compiles for sm_90 with and without PDL (no GPU needed: Triton's own
+    compiler, to PTX); with it, `griddepcontrol.wait` comes before the first load and the kernel
+    never lets its successor launch early."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from florist.kernels.skinny_gemm import _gemm_kernel
+
+    names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_split", "unused", "up_offset"]
+    types = ["*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 9
+    const = dict(K_PER_SPLIT=768, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, PARTIAL=True, HAS_BIAS=False, SILU_MUL=False, GELU=False,
+                 EVEN_K=True, PDL=pdl_on)
+    signature = {**dict(zip(names, types)), **{k: "constexpr" for k in const}}
+    src = ASTSource(fn=_gemm_kernel, signature=signature, constexprs={(list(signature).index(k),): v for k, v in const.items()})
+    options = dict(num_warps=4, num_stages=4, **({"launch_pdl": True} if pdl_on else {}))
+    lines = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"].splitlines()
+    wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+    loads = [i for i, line in enumerate(lines) if "ld.global" in line or "cp.async" in line]
+    assert loads
+    assert len(wait) == (1 if pdl_on else 0)
+    if pdl_on:
+        assert wait[0] < loads[0]
+    assert not any("griddepcontrol.launch_dependents" in line for line in lines)

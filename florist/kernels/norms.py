@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from florist.kernels import pdl
+from florist.kernels.pdl import pdl_wait
 from florist.kernels.split_k import (
     SplitKPartials,
     reduce_partial_rows,
@@ -181,6 +183,7 @@ def _launch_rms_norm(x, residual, weight, eps):
         x, res, weight, out, out if summed is None else summed, weight,
         num_rows, num_heads, *_row_strides(x), *_row_strides(res), 0, n_cols, eps,
         HAS_RESIDUAL=residual is not None, SPLIT_K=0, HAS_BIAS=False, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+        **pdl.launch_args(x),
     )
     return out, summed
 
@@ -209,7 +212,7 @@ def _launch_add_rms_norm_partials(p: SplitKPartials, residual: torch.Tensor, wei
         partials, residual, weight, out, summed, bias if bias is not None else weight,
         num_rows, 1, partials.stride(1), 0, *_row_strides(residual), partials.stride(0), n_cols, eps,
         HAS_RESIDUAL=True, SPLIT_K=partials.shape[0], HAS_BIAS=bias is not None,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps, **pdl.launch_args(residual),
     )
     return out, summed
 
@@ -324,9 +327,10 @@ def _row_tile_at(first_row, num_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_CO
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, b_ptr,
                      num_rows, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, stride_split, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+                     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr):
     """SPLIT_K = 0: x_ptr is x. SPLIT_K > 0: x_ptr is a split-K product's fp32 partials (2-D rows,
     num_heads = 1, a residual always), reduced here and rounded to the residual's dtype (= x's)."""
+    pdl_wait(PDL)
     rows, cols, col_ok, mask, out_offs = _row_tile(num_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     if SPLIT_K > 0:
         _add_rms_norm_partial_rows(x_ptr, b_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, cols, col_ok, mask, out_offs,

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from florist.kernels import pdl
 from florist.kernels.kv_cache import store_kv
 from florist.kernels.norms import rms_norm_ref
+from florist.kernels.pdl import pdl_wait
 
 try:
     import triton
@@ -174,7 +176,7 @@ def _launch(q, k, q_weight, k_weight, eps, positions, cache, kv_store=None):
         v, k_cache, v_cache, slot_mapping,
         num_q_heads, num_k_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_strides, cache.stride(0), head_dim // 2, eps,
         NORM=norm, STORE_KV=kv_store is not None, BLOCK_Q_HEADS=block_q, BLOCK_K_HEADS=block_k, BLOCK_HALF=block_half,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl.launch_args(q),
     )
     return q_out, k_out
 
@@ -236,7 +238,8 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_ptr
                  v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                  num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache, half_dim, eps,
                  NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr):
+                 BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     token = tl.program_id(0)
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < half_dim

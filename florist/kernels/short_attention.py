@@ -32,7 +32,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from florist.kernels import pdl
 from florist.kernels.online_softmax import online_softmax_step
+from florist.kernels.pdl import pdl_wait
 
 try:
     import triton
@@ -147,7 +149,7 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(q),
     )
     return out
 
@@ -156,7 +158,9 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 def _short_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, num_tokens, qk_scale,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             GROUPS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                            PDL: tl.constexpr):
+    pdl_wait(PDL)
     # Query blocks are taken last to first: under a causal mask the last ones see the most keys,
     # so the longest programs start first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)

@@ -59,9 +59,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from florist.kernels import norms
+from florist.kernels import norms, pdl
 from florist.kernels.activation import silu_and_mul
 from florist.kernels.launch_counters import LaunchCounters
+from florist.kernels.pdl import pdl_wait
 from florist.kernels.split_k import SplitKPartials, reduce_partials_triton
 
 try:
@@ -207,6 +208,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             0, 0, n_out if silu_mul else 0,
             K_PER_SPLIT=k_per_split, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=False, HAS_BIAS=bias is not None,
             SILU_MUL=silu_mul, GELU=gelu, EVEN_K=k_per_split * split_k == k, num_warps=c.num_warps, num_stages=c.num_stages,
+            **pdl.launch_args(x),
         )
         return out
     partial = torch.empty((split_k, m, n_out), dtype=torch.float32, device=x.device)
@@ -215,6 +217,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         partial.stride(0), 0, 0,
         K_PER_SPLIT=k_per_split, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=True, HAS_BIAS=False,
         SILU_MUL=False, GELU=False, EVEN_K=k_per_split * split_k == k, num_warps=c.num_warps, num_stages=c.num_stages,
+        **pdl.launch_args(x),
     )
     product = SplitKPartials(partial, bias, x.dtype)
     return product if defer_reduce else reduce_partials_triton(product)
@@ -314,7 +317,8 @@ def skinny_gemm_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias:
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  stride_split, unused, up_offset,
                  K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, GELU: tl.constexpr, EVEN_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, GELU: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

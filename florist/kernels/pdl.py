@@ -1,0 +1,74 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the Triton kernels of a prefill layer.
+
+Inside a CUDA graph a kernel that moves a few microseconds of bytes still costs ~4-5 us; part of
+it is the gap between one kernel's last programs exiting and the next kernel's first programs
+starting. A kernel launched with PDL may be launched while its predecessor's last programs are
+still finishing; it waits (`griddepcontrol.wait`, first thing in the kernel) until the predecessor
+has completed and its writes are visible, so it never reads an input early nor writes memory the
+predecessor may still read (the caching allocator may hand it such memory):
+
+    kernel A:  [.............. work ..............]                      (programs exit)
+    kernel B:                         launched ──▶ [wait ······| work ...]
+
+Measured on the H200 (docs/benchmarks.md, "Programmatic dependent launch"): the Qwen3-0.6B
+batch-1 step at 128 / 512 tokens takes ~5 % / ~2 % less device time. Letting the successor
+launch earlier still (`griddepcontrol.launch_dependents` right after the wait), with or without
+products asking L2 for their weight before they wait, was slower or no better, and was dropped.
+
+FLORIST_PDL=off launches every kernel as before (for side-by-side measurements); the default,
+`wait`, applies on devices of compute capability >= 9.0 with a Triton that has grid dependency
+control. A kernel behind one that is not PDL-aware (cuBLAS, cuDNN, a copy) starts after it as
+without PDL; a kernel launched without PDL behind a PDL one does too.
+
+`launch_args(tensor)` gives a kernel's keyword arguments: {"PDL": True, "launch_pdl": True} for a
+CUDA tensor where PDL applies, else {"PDL": False}; each kernel starts with `pdl_wait(PDL)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: no kernels to launch
+    triton = None
+try:
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # a Triton without grid dependency control: kernels launch as usual
+    gdc_wait = None
+
+MODES = ("off", "wait")
+
+
+def _enabled_from_env() -> bool:
+    name = os.environ.get("FLORIST_PDL", "wait").strip().lower()
+    if name not in MODES:
+        raise ValueError(f"FLORIST_PDL={name!r}: expected one of {', '.join(MODES)}")
+    return name == "wait"
+
+
+ENABLED = _enabled_from_env()
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_supports(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def launch_args(t: torch.Tensor) -> dict:
+    if ENABLED and gdc_wait is not None and t.is_cuda and _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@_jit
+def pdl_wait(PDL: tl.constexpr):
+    """Under PDL: wait until the predecessor has completed and its writes are visible."""
+    if PDL:
+        gdc_wait()
