@@ -11,14 +11,15 @@ predecessor may still read (the caching allocator may hand it such memory):
     kernel B:                         launched ──▶ [wait ······| work ...]
 
 Measured on the H200 (docs/benchmarks.md, "Programmatic dependent launch"): the Qwen3-0.6B
-batch-1 step at 128 / 512 tokens takes ~5 % / ~2 % less device time. Letting the successor
-launch earlier still (`griddepcontrol.launch_dependents` right after the wait), with or without
-products asking L2 for their weight before they wait, was slower or no better, and was dropped.
+batch-1 step at 128 / 512 tokens takes ~5 % / ~2 % less device time (10-17 % less round trip on
+another machine). Letting the successor launch earlier still (`griddepcontrol.launch_dependents`
+right after the wait), with or without products asking L2 for their weight before they wait, was
+slower or no better, and was dropped.
 
 FLORIST_PDL=off launches every kernel as before (for side-by-side measurements); the default,
 `wait`, applies on devices of compute capability >= 9.0 with a Triton that has grid dependency
-control. A kernel behind one that is not PDL-aware (cuBLAS, cuDNN, a copy) starts after it as
-without PDL; a kernel launched without PDL behind a PDL one does too.
+control. Only the edges into these kernels change: a kernel launched without PDL (a cuBLAS or
+cuDNN product, a copy) still starts after its predecessor has completed, as before.
 
 `launch_args(tensor)` gives a kernel's keyword arguments: {"PDL": True, "launch_pdl": True} for a
 CUDA tensor where PDL applies, else {"PDL": False}; each kernel starts with `pdl_wait(PDL)`.
