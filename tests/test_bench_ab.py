@@ -1,0 +1,48 @@
+"""bench/ab.py: settings interleaved round by round, medians and round-by-round differences."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from bench_scripts import ROOT, run_bench
+
+STAND_IN = [sys.executable, str(ROOT / "tests" / "stand_ins" / "ab_bench.py")]
+
+
+def test_interleaves_settings_and_compares_round_by_round(tmp_path, monkeypatch):
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("AB_LOG", str(log))
+    proc = run_bench("ab.py", "--env", "AB_X=a,b", "--rounds", "3", "--out", str(tmp_path / "out"), "--", *STAND_IN, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the order turns round every round, so neither setting always runs first
+    assert log.read_text().split() == ["a", "b", "b", "a", "a", "b"]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    table = {(e["row"], e["value"]): e["settings"] for e in summary["table"]}
+    step = table[("step [p50]", "florist")]
+    # a: calls 0, 3, 4 -> 2.00, 2.03, 2.04; b: calls 1, 2, 5 -> 1.51, 1.52, 1.55
+    assert step["a"]["figures"] == pytest.approx([2.00, 2.03, 2.04]) and step["a"]["median"] == pytest.approx(2.03)
+    assert step["b"]["figures"] == pytest.approx([1.51, 1.52, 1.55]) and step["b"]["median"] == pytest.approx(1.52)
+    assert step["b"]["median_diff"] == pytest.approx(-0.49) and step["b"]["ahead"] == 3 and step["b"]["pairs"] == 3
+    assert table[("step [p50]", "gpu_ms")]["b"]["ahead"] == 3  # an extra in ms: lower is ahead
+    assert table[("step [p50]", "florist_pct.p99")]["b"]["median"] == pytest.approx(2.52)
+    assert ("step [p50]", "florist_pct.n") not in table
+    rate = table[("batch [emb/s]", "florist")]
+    assert rate["b"]["median_diff"] > 0 and rate["b"]["ahead"] == 3  # a rate: higher is ahead
+    assert len(list((tmp_path / "out").glob("round*-AB_X=*.json"))) == 6
+    assert "ahead in 3 of 3" in proc.stdout
+
+
+def test_a_failed_run_is_shown_and_fails_the_comparison(tmp_path, monkeypatch):
+    monkeypatch.setenv("AB_LOG", str(tmp_path / "calls.log"))
+    proc = run_bench("ab.py", "--env", "AB_X=a,boom", "--rounds", "1", "--", *STAND_IN, timeout=120)
+    assert proc.returncode == 1
+    assert "AB_X=boom: FAILED" in proc.stdout and "stand-in failure" in proc.stdout
+
+
+@pytest.mark.parametrize("args", [["--env", "AB_X=a", "--", "true"], ["--env", "AB_X", "--", "true"], ["--env", "AB_X=a,b"],
+                                  ["--env", "AB_X=a,,b", "--", "true"]])
+def test_bad_arguments_are_refused(args):
+    proc = run_bench("ab.py", *args, timeout=60)
+    assert proc.returncode == 2 and "usage" in proc.stderr
