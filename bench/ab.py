@@ -75,11 +75,16 @@ def run_rounds(command: list[str], name: str, settings: list[str], rounds: int, 
                 rows_file = (out or Path(tmp)) / f"round{r}-{name}={setting}.json"
                 env = {**os.environ, name: setting}
                 started = time.perf_counter()
-                proc = subprocess.run([*command, "--json", str(rows_file)], env=env, capture_output=True, text=True, timeout=timeout)
+                try:
+                    proc = subprocess.run([*command, "--json", str(rows_file)], env=env, capture_output=True, text=True, timeout=timeout)
+                    failed = None if proc.returncode == 0 and rows_file.is_file() else f"exit {proc.returncode}"
+                    output = f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+                except subprocess.TimeoutExpired:
+                    failed, output = f"stopped after --timeout {timeout:g} s", ""
                 seconds = time.perf_counter() - started
-                rows = json.loads(rows_file.read_text()) if proc.returncode == 0 and rows_file.is_file() else None
+                rows = None if failed else json.loads(rows_file.read_text())
                 if rows is None:
-                    print(f"round {r} {name}={setting}: FAILED (exit {proc.returncode})\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", flush=True)
+                    print(f"round {r} {name}={setting}: FAILED ({failed})\n{output}", flush=True)
                 else:
                     print(f"round {r} {name}={setting}: {len(rows)} rows in {seconds:.1f} s", flush=True)
                 runs.append({"round": r, "setting": setting, "seconds": seconds, "rows": rows})

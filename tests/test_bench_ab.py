@@ -41,6 +41,13 @@ def test_a_failed_run_is_shown_and_fails_the_comparison(tmp_path, monkeypatch):
     assert "AB_X=boom: FAILED" in proc.stdout and "stand-in failure" in proc.stdout
 
 
+def test_a_run_past_its_timeout_is_stopped_and_fails_the_comparison(tmp_path):
+    proc = run_bench("ab.py", "--env", "AB_X=a,b", "--rounds", "1", "--timeout", "1", "--", sys.executable, "-c",
+                     "import time; time.sleep(30)", timeout=60)
+    assert proc.returncode == 1
+    assert proc.stdout.count("FAILED (stopped after --timeout 1 s)") == 2
+
+
 @pytest.mark.parametrize("args", [["--env", "AB_X=a", "--", "true"], ["--env", "AB_X", "--", "true"], ["--env", "AB_X=a,b"],
                                   ["--env", "AB_X=a,,b", "--", "true"]])
 def test_bad_arguments_are_refused(args):
