@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from geometries import make_model  # noqa: E402
-from report import print_kernel_table, print_summary, percentiles, record, sync, time_calls  # noqa: E402
+from report import florist_env, print_kernel_table, print_summary, percentiles, record, sync, time_calls  # noqa: E402
 
 from florist import Engine  # noqa: E402
 from florist.engine.batch import HostBatch  # noqa: E402
@@ -247,6 +247,7 @@ def main():
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     tmp = Path(tempfile.mkdtemp(prefix="florist-bench-"))
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}")
+    print("florist settings from the environment: " + (" ".join(f"{k}={v}" for k, v in florist_env().items()) or "none (the defaults)"))
     print(f"{'scenario':42s} {'metric':10s} {'florist':>10s} {'transformers':>10s} {'unit':6s} speedup")
     if args.smoke:
         args.iters, args.baseline_iters, args.warmup = 5, 2, 1

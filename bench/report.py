@@ -11,6 +11,14 @@ import torch
 ROWS: list[dict] = []
 
 
+def florist_env() -> dict[str, str]:
+    """The FLORIST_* variables of this process (A/B switches such as FLORIST_PDL): a run's
+    figures hold for these settings, so every bench prints or records them."""
+    import os
+
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FLORIST_")}
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -736,11 +736,12 @@ def environment(args) -> dict:
         except (ImportError, AttributeError):
             versions[name] = None
     import torch
+    from report import florist_env
 
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") and torch.cuda.is_available() else None
     return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(), "device": args.device, "gpu": gpu,
-            "dtype": args.dtype or ("bf16" if args.device != "cpu" else "fp32"), "versions": versions}
+            "dtype": args.dtype or ("bf16" if args.device != "cpu" else "fp32"), "versions": versions, "florist_env": florist_env()}
 
 
 def check_servers(cells: list[Cell], urls: dict[str, str], task: str, running: list[str], meta: dict) -> list[str]:

@@ -16,9 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_engine_bench_smoke(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "engine.py"), "--smoke", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+                          capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", **__import__("os").environ, "FLORIST_PDL": "off"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== summary ==" in proc.stdout
+    settings = next(line for line in proc.stdout.splitlines() if line.startswith("florist settings from the environment:"))
+    assert "FLORIST_PDL=off" in settings.split()  # a run says which A/B switches it ran under
     rows = json.loads(out.read_text())
     scenarios = {r["scenario"] for r in rows}
     assert {"tiny-qwen3 batch 1 x 16 tokens", "tiny-qwen3 8 x 32", "tiny-bert 8 x 32"} <= scenarios

@@ -5,6 +5,7 @@ tiny models on the CPU; and the baseline's own models against the embedded API."
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -40,6 +41,7 @@ def test_serve_bench_smoke(tmp_path):
             assert m["n"] == m["planned"] > 0 and m["p50"] <= m["p90"] <= m["p99"] <= m["max"] and m["items_per_s"] > 0
     assert results["meta"]["checks"]["embed"]["ok"] and results["meta"]["checks"]["score"]["ok"]
     assert "florist serve: tiny-qwen3 on http://" in results["meta"]["servers"]["embed"]["florist"]
+    assert results["meta"]["florist_env"] == {k: v for k, v in os.environ.items() if k.startswith("FLORIST_")}
     for name in ("scenario1_latency", "scenario2_latency", "scenario3_throughput", "scenario4_latency", "scenario4_concurrency"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
