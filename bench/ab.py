@@ -10,7 +10,8 @@ machine, alternating them, and reading the differences round by round. This scri
 Round r runs the command once per setting (in the given order on even rounds, reversed on odd
 ones, so neither setting always runs first), each a fresh process with VAR=setting and
 `--json FILE` appended; the command must write bench/report.py rows there (bench/engine.py,
-gemm.py, attention.py, generate.py do). It then prints, for every measured value (a row's
+generate.py and serve.py do; serve.py's rows are florist's figures of every cell, so
+`-- python bench/serve.py --scenarios 4 --florist-only` compares a serving setting). It then prints, for every measured value (a row's
 florist figure and its numeric extras, e.g. the breakdown's `gpu_ms`), each setting's figure
 per round and their median, and for every setting after the first, the median of its
 round-by-round difference to the first and in how many rounds it was ahead (lower is ahead

@@ -617,6 +617,22 @@ def write_json(out: Path, cells: list[Cell], meta: dict) -> Path:
     return path
 
 
+def write_report_rows(path: Path, cells: list[Cell]) -> Path:
+    """--json: every florist figure as a bench/report.py row (the baseline beside it where it ran),
+    the rows bench/ab.py compares between settings."""
+    rows = []
+    for c in cells:
+        f, b = c.results.get("florist"), c.results.get("baseline")
+        if c.skipped or not f:
+            continue
+        for m in METRICS[c.scenario]:
+            unit = UNITS.get(m, "ms")
+            rows.append({"scenario": c.key, "metric": f"{m} {unit}" if unit == "ms" else unit, "florist": f[m],
+                         "transformers": b[m] if b else None, "unit": unit, "speedup": ahead(f[m], b[m], unit) if b else None})
+    path.write_text(json.dumps(rows, indent=1))
+    return path
+
+
 def cell_from_row(row: dict) -> Cell:
     """A measured cell back from a results.json row (for --replot)."""
     return Cell(scenario=row["scenario"], label=row["label"], route="", bodies=[], items=row["items_per_request"],
@@ -811,6 +827,7 @@ def time_cell(cell: Cell, server: str, proc: Proc, cell_seconds: float, task: st
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="directory for results.json and the plots (default: a new temporary one)")
+    p.add_argument("--json", type=Path, default=None, help="also write florist's figures here as bench/report.py rows (what bench/ab.py reads)")
     p.add_argument("--scenarios", default="1,2,3,4", help="comma-separated scenario numbers (default 1,2,3,4)")
     p.add_argument("--geometry", default=None, choices=sorted(GEOMETRIES), help="random-weight model (and its pair for the other task); default qwen3-0.6b")
     p.add_argument("--model", action="append", help="a model directory instead (repeat for an embedding and a scoring model)")
@@ -917,6 +934,8 @@ def main(argv: list[str] | None = None) -> int:
         meta["elapsed_s"] = time.perf_counter() - started
         print_table(all_cells)
         written = [write_json(out, all_cells, meta), *write_plots(out, all_cells)]
+        if args.json:
+            written.append(write_report_rows(args.json, all_cells))
         print(f"\nwrote {', '.join(str(w) for w in written)}")
         print(f"total {meta['elapsed_s']:.0f} s")
     return 0

@@ -24,7 +24,7 @@ def run_serve_bench(*args: str) -> str:
 
 
 def test_serve_bench_smoke(tmp_path):
-    stdout = run_serve_bench("--out", str(tmp_path))
+    stdout = run_serve_bench("--out", str(tmp_path), "--json", str(tmp_path / "rows.json"))
     cosine = re.search(r"check: min cosine, florist vs baseline over \d+ rows: ([0-9.]+)", stdout)
     assert cosine and float(cosine.group(1)) >= 0.999, stdout
     assert re.search(r"check: max \|score difference\|, florist vs baseline over \d+ rows: 0\.0", stdout), stdout
@@ -42,6 +42,15 @@ def test_serve_bench_smoke(tmp_path):
     assert results["meta"]["checks"]["embed"]["ok"] and results["meta"]["checks"]["score"]["ok"]
     assert "florist serve: tiny-qwen3 on http://" in results["meta"]["servers"]["embed"]["florist"]
     assert results["meta"]["florist_env"] == {k: v for k, v in os.environ.items() if k.startswith("FLORIST_")}
+    # --json: florist's figures as bench/report.py rows, the baseline beside them (what bench/ab.py compares)
+    report = json.loads((tmp_path / "rows.json").read_text())
+    assert {r["scenario"].split()[0] for r in report} == {"1", "2", "3", "4"}
+    for r in report:
+        assert r["florist"] > 0 and r["transformers"] > 0 and r["speedup"] > 0 and r["unit"] in ("ms", "emb/s", "req/s")
+    by_key = {(r["scenario"], r["metric"]): r for r in report}
+    cell = next(r for r in results["rows"] if r["scenario"] == 4)
+    row = by_key[(f"4 {cell['name']}, {cell['label']}", "req/s")]
+    assert row["florist"] == cell["florist"]["requests_per_s"] and row["transformers"] == cell["baseline"]["requests_per_s"]
     for name in ("scenario1_latency", "scenario2_latency", "scenario3_throughput", "scenario4_latency", "scenario4_concurrency"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
