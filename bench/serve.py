@@ -29,7 +29,11 @@ requests; throughput is measured over the timed requests of all clients together
     python bench/serve.py --smoke --out /tmp/smoke             # tiny models on the CPU, a few requests
     python bench/serve.py --scenarios 4 --florist-only --serve-flags="--launch-ahead-ms inf"   # a florist setting alone
 
-Writes one table to stdout and results.json plus PNG plots to --out (the plots need matplotlib).
+Writes one table to stdout and results.json plus PNG plots to --out (the plots need matplotlib);
+with --json FILE also florist's figures as bench/report.py rows, which bench/ab.py compares
+between settings of a FLORIST_* variable:
+
+    python bench/ab.py --env FLORIST_GRAPH_RENT=0,8 --rounds 2 -- python bench/serve.py --scenarios 4 --florist-only
 """
 
 # Wheels for the GPU machine (Python 3.12, no registry there): fastapi / uvicorn / pydantic are not
