@@ -575,6 +575,12 @@ METRICS = {1: ("p50", "p90", "p99", "max"), 2: ("p50", "p90", "p99", "max"), 3: 
 UNITS = {"items_per_s": "emb/s", "requests_per_s": "req/s"}
 
 
+def metric_label(metric: str) -> tuple[str, str]:
+    """(unit, the table's metric column) of a cell's metric: "p50" -> ("ms", "p50 ms")."""
+    unit = UNITS.get(metric, "ms")
+    return unit, f"{metric} {unit}" if unit == "ms" else unit
+
+
 def ahead(florist: float, other: float, unit: str) -> float:
     """How many times florist is ahead: other / florist for latency, florist / other for rates."""
     return florist / other if unit != "ms" else other / florist
@@ -592,8 +598,7 @@ def print_table(cells: list[Cell]) -> None:
             continue
         f, b, i = c.results["florist"], c.results.get("baseline"), c.results.get("infinity")
         for m in METRICS[c.scenario]:
-            unit = UNITS.get(m, "ms")
-            name = f"{m} {unit}" if unit == "ms" else unit
+            unit, name = metric_label(m)
             line = f"{c.key:<60}{name:>10}{f[m]:>12.2f}" + (f"{b[m]:>12.2f}{ahead(f[m], b[m], unit):>8.2f}x" if b else f"{'-':>12}{'':>9}")
             if infinity:
                 line += f"{i[m]:>12.2f}{ahead(f[m], i[m], unit):>8.2f}x" if i else f"{'failed' if 'infinity' in c.failed else '-':>12}{'':>9}"
@@ -630,8 +635,8 @@ def write_report_rows(path: Path, cells: list[Cell]) -> Path:
         if c.skipped or not f:
             continue
         for m in METRICS[c.scenario]:
-            unit = UNITS.get(m, "ms")
-            rows.append({"scenario": c.key, "metric": f"{m} {unit}" if unit == "ms" else unit, "florist": f[m],
+            unit, name = metric_label(m)
+            rows.append({"scenario": c.key, "metric": name, "florist": f[m],
                          "transformers": b[m] if b else None, "unit": unit, "speedup": ahead(f[m], b[m], unit) if b else None})
     path.write_text(json.dumps(rows, indent=1))
     return path

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from florist.kernels import pdl
-from florist.kernels.pdl import pdl_wait
 
 try:
     import triton
@@ -61,7 +60,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 
 @_jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
+    pdl.pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter

@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from florist.kernels import pdl
-from florist.kernels.pdl import pdl_wait
 from florist.kernels.split_k import (
     SplitKPartials,
     reduce_partial_rows,
@@ -330,7 +329,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, b_ptr,
                      BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr):
     """SPLIT_K = 0: x_ptr is x. SPLIT_K > 0: x_ptr is a split-K product's fp32 partials (2-D rows,
     num_heads = 1, a residual always), reduced here and rounded to the residual's dtype (= x's)."""
-    pdl_wait(PDL)
+    pdl.pdl_wait(PDL)
     rows, cols, col_ok, mask, out_offs = _row_tile(num_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     if SPLIT_K > 0:
         _add_rms_norm_partial_rows(x_ptr, b_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, cols, col_ok, mask, out_offs,

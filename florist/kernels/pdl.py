@@ -22,7 +22,7 @@ control. Only the edges into these kernels change: a kernel launched without PDL
 cuDNN product, a copy) still starts after its predecessor has completed, as before.
 
 `launch_args(tensor)` gives a kernel's keyword arguments: {"PDL": True, "launch_pdl": True} for a
-CUDA tensor where PDL applies, else {"PDL": False}; each kernel starts with `pdl_wait(PDL)`.
+CUDA tensor where PDL applies, else {"PDL": False}; each kernel starts with `pdl.pdl_wait(PDL)`.
 """
 
 from __future__ import annotations
@@ -62,10 +62,15 @@ def _device_supports(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+_ON = {"PDL": True, "launch_pdl": True}
+_OFF = {"PDL": False}
+
+
 def launch_args(t: torch.Tensor) -> dict:
+    """The launch's keyword arguments (shared dicts: spread them, never change them)."""
     if ENABLED and gdc_wait is not None and t.is_cuda and _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device()):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+        return _ON
+    return _OFF
 
 
 @_jit

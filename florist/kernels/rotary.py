@@ -24,7 +24,6 @@ import torch
 from florist.kernels import pdl
 from florist.kernels.kv_cache import store_kv
 from florist.kernels.norms import rms_norm_ref
-from florist.kernels.pdl import pdl_wait
 
 try:
     import triton
@@ -239,7 +238,7 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_ptr
                  num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache, half_dim, eps,
                  NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr,
                  BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
+    pdl.pdl_wait(PDL)
     token = tl.program_id(0)
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < half_dim

@@ -34,7 +34,6 @@ import torch.nn.functional as F
 
 from florist.kernels import pdl
 from florist.kernels.online_softmax import online_softmax_step
-from florist.kernels.pdl import pdl_wait
 
 try:
     import triton
@@ -160,7 +159,7 @@ def _short_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, num_tokens, qk
                             GROUPS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
                             PDL: tl.constexpr):
-    pdl_wait(PDL)
+    pdl.pdl_wait(PDL)
     # Query blocks are taken last to first: under a causal mask the last ones see the most keys,
     # so the longest programs start first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)

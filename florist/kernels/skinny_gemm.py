@@ -62,7 +62,6 @@ import torch.nn.functional as F
 from florist.kernels import norms, pdl
 from florist.kernels.activation import silu_and_mul
 from florist.kernels.launch_counters import LaunchCounters
-from florist.kernels.pdl import pdl_wait
 from florist.kernels.split_k import SplitKPartials, reduce_partials_triton
 
 try:
@@ -318,7 +317,7 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
                  stride_split, unused, up_offset,
                  K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, GELU: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
+    pdl.pdl_wait(PDL)
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
