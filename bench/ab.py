@@ -67,13 +67,19 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def file_safe(setting: str) -> str:
+    """A setting as part of a file name: letters, digits, '.', '_' and '-' only (the device
+    machines hand back no file whose name holds anything else, '=' included)."""
+    return "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in setting)
+
+
 def run_rounds(command: list[str], name: str, settings: list[str], rounds: int, timeout: float, out: Path | None) -> list[dict]:
     """-> one entry per run: {"round", "setting", "seconds", "rows"} (rows None if the run failed)."""
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for setting in settings if r % 2 == 0 else settings[::-1]:
-                rows_file = (out or Path(tmp)) / f"round{r}-{name}={setting}.json"
+                rows_file = (out or Path(tmp)) / f"round{r}-{name}-{file_safe(setting)}.json"
                 env = {**os.environ, name: setting}
                 started = time.perf_counter()
                 try:

@@ -30,7 +30,7 @@ def test_interleaves_settings_and_compares_round_by_round(tmp_path, monkeypatch)
     assert ("step [p50]", "florist_pct.n") not in table
     rate = table[("batch [emb/s]", "florist")]
     assert rate["b"]["median_diff"] > 0 and rate["b"]["ahead"] == 3  # a rate: higher is ahead
-    assert len(list((tmp_path / "out").glob("round*-AB_X=*.json"))) == 6
+    assert len(list((tmp_path / "out").glob("round*-AB_X-*.json"))) == 6
     assert "ahead in 3 of 3" in proc.stdout
 
 
@@ -53,3 +53,11 @@ def test_a_run_past_its_timeout_is_stopped_and_fails_the_comparison(tmp_path):
 def test_bad_arguments_are_refused(args):
     proc = run_bench("ab.py", *args, timeout=60)
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_a_setting_in_a_file_name_keeps_to_plain_characters(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import ab
+
+    assert ab.file_safe("wait") == "wait"
+    assert ab.file_safe("a=b/c d,é") == "a_b_c_d__"
