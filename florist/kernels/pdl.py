@@ -19,7 +19,9 @@ slower or no better, and was dropped.
 FLORIST_PDL=off launches every kernel as before (for side-by-side measurements); the default,
 `wait`, applies on devices of compute capability >= 9.0 with a Triton that has grid dependency
 control. Only the edges into these kernels change: a kernel launched without PDL (a cuBLAS or
-cuDNN product, a copy) still starts after its predecessor has completed, as before.
+cuDNN product, a copy) still starts after its predecessor has completed, as before, and must:
+the cuBLAS kernels of the Qwen3 step's products hold no `griddepcontrol.wait` (docs/benchmarks.md,
+"What PDL does not reach").
 
 `launch_args(tensor)` gives a kernel's keyword arguments: {"PDL": True, "launch_pdl": True} for a
 CUDA tensor where PDL applies, else {"PDL": False}; each kernel starts with `pdl.pdl_wait(PDL)`.
