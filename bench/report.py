@@ -5,6 +5,7 @@ for rates), printed as it is measured and kept for the summary and the JSON file
 from __future__ import annotations
 
 import collections
+import os
 
 import torch
 
@@ -14,8 +15,6 @@ ROWS: list[dict] = []
 def florist_env() -> dict[str, str]:
     """The FLORIST_* variables of this process (A/B switches such as FLORIST_PDL): a run's
     figures hold for these settings, so every bench prints or records them."""
-    import os
-
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FLORIST_")}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,5 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU_ONLY = ("covering.py", "first_sight.py", "generate_warm_up.py")
 
 
-def run_bench(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run_bench(script: str, *args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`env`: variables set on top of this process's environment."""
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env} if env else None)

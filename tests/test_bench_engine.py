@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_scripts import ROOT, run_bench
 
 
 def test_engine_bench_smoke(tmp_path):
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "engine.py"), "--smoke", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", **__import__("os").environ, "FLORIST_PDL": "off"})
+    proc = run_bench("engine.py", "--smoke", "--json", str(out), timeout=300, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "FLORIST_PDL": "off"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== summary ==" in proc.stdout
     settings = next(line for line in proc.stdout.splitlines() if line.startswith("florist settings from the environment:"))
@@ -32,12 +29,12 @@ def test_engine_bench_smoke(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
 def test_profile_kernels_refuses_without_cuda():
     """bench/profile_kernels.py is GPU-only; without CUDA it must say so, not crash."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_kernels.py")], capture_output=True, text=True, timeout=120)
+    proc = run_bench("profile_kernels.py", timeout=120)
     assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_profile_kernels_refuses_unknown_parts():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_kernels.py"), "--only", "minilm,bert"], capture_output=True, text=True, timeout=120)
+    proc = run_bench("profile_kernels.py", "--only", "minilm,bert", timeout=120)
     assert proc.returncode == 2 and "unknown parts ['bert']" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -61,8 +58,8 @@ def test_print_kernel_table_counts_per_step(capsys):
 def test_attention_bench_checks_its_arguments_and_needs_cuda():
     """bench/attention.py: an unknown --shapes label is refused with the known ones; without CUDA
     the script says it needs one and exits 1."""
-    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "attention.py"), "--sweep", "--shapes", "100 x 256,1 x 7"], capture_output=True, text=True, timeout=120)
+    bad = run_bench("attention.py", "--sweep", "--shapes", "100 x 256,1 x 7", timeout=120)
     assert bad.returncode == 2 and "unknown --shapes ['1 x 7']" in bad.stderr and "100 x 256" in bad.stderr, bad.stderr
     if not torch.cuda.is_available():
-        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "attention.py"), "--sweep", "--shapes", "100 x 256"], capture_output=True, text=True, timeout=120)
+        proc = run_bench("attention.py", "--sweep", "--shapes", "100 x 256", timeout=120)
         assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr, proc.stderr

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_scripts import run_bench
 
 
 def test_bench_smoke():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "generate.py"), "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_bench("generate.py", "--smoke", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fidelity: 9 florist tokens are transformers' greedy choice" in proc.stdout, proc.stdout
     summary = proc.stdout.split("== summary ==")[-1]

@@ -4,15 +4,12 @@ its local socket, against Engine.generate in process, on a tiny causal LM on the
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_scripts import run_bench
 
 
 def test_generate_server_bench_smoke():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "generate_server.py"), "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = run_bench("generate_server.py", "--smoke", timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for path, transport in (("direct", "in process"), ("grpc", "grpc"), ("local", "local")):
         row = re.search(rf"^{path}\s+{transport}\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+yes$", out.stdout, re.M)

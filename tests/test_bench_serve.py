@@ -7,18 +7,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_scripts import ROOT, run_bench
 
 
 def run_serve_bench(*args: str) -> str:
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--smoke", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    out = run_bench("serve.py", "--smoke", *args, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return out.stdout
 
@@ -55,7 +52,7 @@ def test_serve_bench_smoke(tmp_path):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
     # --replot redraws the same plots from results.json alone.
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.path.insert(0, str(ROOT / "bench"))
     import serve
 
     assert serve.main(["--replot", str(tmp_path / "results.json"), "--out", str(tmp_path / "replot")]) == 0
@@ -237,7 +234,7 @@ def test_infinity_reranks_with_a_cross_encoder(tmp_path):
 
 
 def test_log_axes_label_two_and_five_and_start_a_decade_below_the_lowest_bar():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.path.insert(0, str(ROOT / "bench"))
     import serve
 
     assert [serve.minor_label(v) for v in (2, 3, 5, 7, 20, 40, 500, 0.2, 0.3)] == ["2", "", "5", "", "20", "", "500", "0.2", ""]
@@ -255,9 +252,8 @@ def test_florist_alone_with_more_serve_flags(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert all("baseline" not in r and r["florist"]["n"] == 3 for r in results["rows"])
     assert (tmp_path / "scenario1_latency.png").read_bytes()[:4] == b"\x89PNG"
-    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--smoke", "--scenarios", "1", "--requests", "3", "--florist-only",
-                          "--serve-flags=--launch-ahead-ms -1", "--out", str(tmp_path / "bad")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    bad = run_bench("serve.py", "--smoke", "--scenarios", "1", "--requests", "3", "--florist-only", "--serve-flags=--launch-ahead-ms -1",
+                    "--out", str(tmp_path / "bad"), timeout=300)
     assert bad.returncode != 0 and "--launch-ahead-ms must be 0 or more" in bad.stdout + bad.stderr
-    refused = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--smoke", "--florist-only", "--infinity", "python"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    refused = run_bench("serve.py", "--smoke", "--florist-only", "--infinity", "python", timeout=60)
     assert refused.returncode == 2 and "drop --infinity" in refused.stderr
