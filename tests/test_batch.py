@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from bench_scripts import run_bench
 
 import florist
 from florist.batch.job import JobConfig, MalformedRecord, run_job
@@ -269,7 +270,6 @@ def test_ray_matches_local(tmp_path, tiny_engine, bert_dir):
 
 # -- the benchmark's code path -------------------------------------------------------------------
 def test_batch_job_bench_smoke():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "batch_job.py"), "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run_bench("batch_job.py", "--smoke", env={"OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "florist embed job" in out.stdout and "direct step()" in out.stdout and "job / step()" in out.stdout

@@ -4,19 +4,16 @@ check where two GPUs are visible."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_scripts import ROOT, run_bench
 
 
 def run(args: list[str], tmp_path: Path) -> tuple[str, dict]:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "multi_gpu.py"), *args, "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_bench("multi_gpu.py", *args, "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, json.loads((tmp_path / "multi_gpu.json").read_text())
 

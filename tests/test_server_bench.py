@@ -4,15 +4,12 @@ scenario, the table) on a tiny model on the CPU."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_scripts import run_bench
 
 
 def test_server_bench_smoke():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "server.py"), "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = run_bench("server.py", "--smoke")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for row in ("8 x 64 tokens, rounds sent at once, emb/s", "64-token requests, stream of 16, 8 in flight, emb/s",
                 "8 x 64-token requests, stream of 6, 4 in flight, emb/s", "32-token batch-1 round trip p99, ms, sync gRPC client",

@@ -4,15 +4,12 @@ on a tiny model on the CPU."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_scripts import run_bench
 
 
 def test_server_layers_smoke():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "server_layers.py"), "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = run_bench("server_layers.py", "--smoke")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     values = {}
     for label in ("direct step() on the server's loop", "the server's Batcher.run, no gRPC call", "the Embed implementation, no transport",
