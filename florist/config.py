@@ -7,6 +7,7 @@ modules: pooling, Dense, Normalize, prompts) or, for scorers, how a score is rea
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -170,3 +171,15 @@ class PipelineConfig:
     @property
     def prompt_dict(self) -> dict[str, str]:
         return dict(self.prompts)
+
+
+def int_from_env(name: str, default: int) -> int:
+    """A whole-number setting from the environment (the FLORIST_* switches of A/B runs); a value
+    that is not one is refused with its name."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a whole number (default {default})") from None

@@ -243,15 +243,23 @@ def test_auto_takes_the_short_kernel_where_it_was_measured_faster():
     assert _choice(_graph_batch([100, 7]), short_kernel=False) == "varlen"
 
 
-def test_the_single_sequence_bound_moves_with_its_environment_variable():
-    """FLORIST_SHORT_SINGLE_MAX_WORK (for A/B runs): 2^29 gives Qwen3's 1 x 512 to the kernel."""
-    code = ("from florist.layers import attention as a; import sys; sys.path.insert(0, 'tests'); "
-            "import test_short_attention as t; print(a.SHORT_SINGLE_MAX_WORK, t._choice(t._graph_batch([512])))")
-    env = {**os.environ, "FLORIST_SHORT_SINGLE_MAX_WORK": str(1 << 29)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+def test_the_single_sequence_bound_moves_with_its_environment_variable(monkeypatch):
+    """FLORIST_SHORT_SINGLE_MAX_WORK (for A/B runs): read at import; 2^29 gives Qwen3's 1 x 512
+    to the kernel, and a value that is no whole number is refused by name."""
+    def bound_at_import(value: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "FLORIST_SHORT_SINGLE_MAX_WORK": value}
+        return subprocess.run([sys.executable, "-c", "from florist.layers import attention; print(attention.SHORT_SINGLE_MAX_WORK)"],
+                              check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    proc = bound_at_import(str(1 << 29))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == [str(1 << 29), "triton"], proc.stdout
-    assert attention.SHORT_SINGLE_MAX_WORK == 1 << 26 or "FLORIST_SHORT_SINGLE_MAX_WORK" in os.environ
+    bound = int(proc.stdout.split()[-1])
+    assert bound == 1 << 29
+    assert _choice(_graph_batch([512])) != "triton"
+    monkeypatch.setattr(attention, "SHORT_SINGLE_MAX_WORK", bound)
+    assert _choice(_graph_batch([512])) == "triton"
+    bad = bound_at_import("lots")
+    assert bad.returncode != 0 and "FLORIST_SHORT_SINGLE_MAX_WORK" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_launch_config_follows_the_sweep():

@@ -50,13 +50,13 @@ captures go through `torch.cuda.graph`.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 from typing import Callable
 
 import numpy as np
 import torch
 
+from florist.config import int_from_env
 from florist.engine.batch import HostBatch, RaggedBatch, pack, packed_size, views
 from florist.engine.lazy_graphs import LazyGraphs
 from florist.engine.staging import InputStaging
@@ -105,7 +105,7 @@ COVER_RATIO = 2  # a cover replays at most this many times the tokens of the bat
 # batches cost the device at most 8 batches' time: a few ms for small batches, tens of ms for
 # thousands of tokens, about what the first sight and capture they put off would have stalled.
 # FLORIST_GRAPH_RENT sets it (0: no covering, every new bucket is captured on its second sight).
-RENT_SIGHTS = int(os.environ.get("FLORIST_GRAPH_RENT", "8"))
+RENT_SIGHTS = int_from_env("FLORIST_GRAPH_RENT", 8)
 
 
 def covers(cover: Key, key: Key, num_tokens: int, num_seqs: int, max_seqlen: int) -> bool:

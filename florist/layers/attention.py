@@ -12,13 +12,13 @@ Every backend must be capturable in a CUDA graph when the batch's host values (`
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from florist.config import int_from_env
 from florist.engine.batch import RaggedBatch
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RaggedBatch, bool, float], torch.Tensor]
@@ -151,9 +151,11 @@ def _triton_backend() -> AttentionFn:
 SHORT_MAX_SEQLEN = 256  # ragged batches: longest sequence (a host bound: the graph bucket's)
 SHORT_MAX_TOKENS = 1024  # ragged batches: tokens in the batch, padding included
 SHORT_MAX_SEQS = 8  # sequences in a ragged batch (a graph bucket's dummy included)
+
+
 # One sequence: tokens x max_seqlen x (query heads x head_dim); FLORIST_SHORT_SINGLE_MAX_WORK
 # moves the bound (for A/B runs of bench/engine.py).
-SHORT_SINGLE_MAX_WORK = int(os.environ.get("FLORIST_SHORT_SINGLE_MAX_WORK", 1 << 26))
+SHORT_SINGLE_MAX_WORK = int_from_env("FLORIST_SHORT_SINGLE_MAX_WORK", 1 << 26)
 
 
 def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel: bool, width: int) -> str:
