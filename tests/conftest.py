@@ -55,3 +55,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test skipped for want of a GPU ("needs CUDA", "needs a Hopper GPU", "needs 2 GPUs")
+    carries the `gpu` marker, so `python -m pytest -m gpu tests` on the device runs all of them.
+    One without it stops the collection: it would be skipped in CI and never selected on the GPU."""
+    unmarked = [
+        item.nodeid for item in items
+        if item.get_closest_marker("gpu") is None
+        and any(str(mark.kwargs.get("reason", "")).startswith("needs") and ("CUDA" in mark.kwargs["reason"] or "GPU" in mark.kwargs["reason"])
+                for mark in item.iter_markers("skipif"))
+    ]
+    if unmarked:
+        raise pytest.UsageError("tests that need a GPU without the `gpu` marker (add @pytest.mark.gpu): " + ", ".join(unmarked[:10]))

@@ -32,6 +32,7 @@ def test_the_stream_has_a_long_tail():
     assert [b.seq_lens.tolist() for b in covering.stream(7, 400, 1000, 16, 512)] == [b.seq_lens.tolist() for b in batches]  # seeded
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_both_settings_run_the_stream():
     out = run("--smoke")

@@ -15,6 +15,7 @@ def run(*args: str):
     return run_bench("first_sight.py", *args)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_every_condition_times_its_first_sights():
     out = run("--smoke", "--shapes", "2")

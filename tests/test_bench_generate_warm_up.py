@@ -14,6 +14,7 @@ def run(*args: str):
     return run_bench("generate_warm_up.py", *args, timeout=900)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_after_the_warm_up_no_request_compiles():
     out = run("--smoke")

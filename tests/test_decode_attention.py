@@ -143,6 +143,7 @@ def test_decode_attention_interpreted(check):
     run_interpreted(CASES, f"{check}('cpu')", CHECKS[check], timeout=600)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_decode_attention_compiled(check):

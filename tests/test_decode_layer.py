@@ -182,6 +182,7 @@ def test_decode_layer_interpreted(check):
     run_interpreted(CASES, f"{check}('cpu')", CHECKS[check], timeout=900)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("check", sorted(CHECKS) + ["check_graph"])
 def test_decode_layer_compiled(check):

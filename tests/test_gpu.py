@@ -12,7 +12,7 @@ import florist
 from florist.engine.batch import HostBatch, to_device
 from florist.engine.graph_runner import bucket
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from test_fidelity import TEXTS  # noqa: E402
 

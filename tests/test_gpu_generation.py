@@ -19,7 +19,7 @@ from florist.engine.generation.runner import ADVANCE
 from test_generation import NEW_TOKENS, make_causal_lm, prompts_for, reference
 from test_generation_pipeline import run_steps
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,7 @@ def test_store_kv_kernel_interpreted():
     assert proc.returncode == 0 and "store_kv ok" in proc.stdout and "rope store ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_store_kv_kernel_compiled():
     namespace: dict = {}

@@ -17,7 +17,11 @@ from vocab_parallel_cases import KINDS, LAYOUTS, make_logits, split_into_shards
 TPS = (1, 2, 3, 4, 8)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 VOCABS = (131072, 32001)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def gpu(test):
+    """A CUDA-only test, marked `gpu` (what `pytest -m gpu` runs on the device)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 def _check(full: torch.Tensor, tp: int, layout: str = "row_major", device: str = "cpu", **kw) -> None:
@@ -115,6 +119,7 @@ def test_logits_processor_tp1(vocab, soft_cap, scale):
     assert torch.equal(proc.get_top_tokens(hidden), torch.argmax(expected, -1))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_logits_processor_tp1_cuda_matches_argmax():
     """At TP 1 on CUDA get_top_tokens runs the candidate kernels: the same ids as torch.argmax."""

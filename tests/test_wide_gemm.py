@@ -98,7 +98,9 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-gpu = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90+) GPU")
+def gpu(test):
+    """A Hopper-only test, marked `gpu` (what `pytest -m gpu` runs on the device)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90+) GPU")(test))
 
 
 @gpu
