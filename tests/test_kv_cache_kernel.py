@@ -33,8 +33,12 @@ def check(device):
             store_kv_ref(k, v, caches[2], caches[3], slots)
             real = slice(0, rows - 1)
             assert torch.equal(caches[0][real], caches[2][real]) and torch.equal(caches[1][real], caches[3][real]), (dtype, tokens)
-            scratch_k = caches[0][rows - 1]
-            assert any(torch.equal(scratch_k, k[t]) for t in range(tokens)) or not (slots == rows - 1).any()
+            # The padding tokens race to the scratch row (one program each, never read back), so
+            # it may end up mixing their rows: each value must be one of theirs at its place.
+            padding = slots == rows - 1
+            if padding.any():
+                for cache, src in ((caches[0], k), (caches[1], v)):
+                    assert (cache[rows - 1][None] == src[padding]).any(dim=0).all(), (dtype, tokens, "scratch row")
     print("store_kv ok")
 
 
@@ -74,11 +78,11 @@ def test_store_kv_kernel_interpreted():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_store_kv_kernel_compiled():
+@pytest.mark.parametrize("case", ["check", "check_rope_store"])
+def test_store_kv_kernel_compiled(case):
     namespace: dict = {}
     exec(CASES, namespace)
-    namespace["check"]("cuda")
-    namespace["check_rope_store"]("cuda")
+    namespace[case]("cuda")
 
 
 def test_store_kv_takes_the_reference_on_cpu():
