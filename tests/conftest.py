@@ -57,15 +57,39 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+def _gpu_missing(item) -> str | None:
+    """Why this machine cannot run a test marked `gpu`, or None. `@pytest.mark.gpu` needs CUDA;
+    `gpu(count=2)` that many devices; `gpu(capability=(9, 0))` a device of at least that compute
+    capability (Hopper). Marks at several levels (module and test) add up."""
+    marks = list(item.iter_markers("gpu"))
+    if not marks:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    count = max(mark.kwargs.get("count", 1) for mark in marks)
+    if torch.cuda.device_count() < count:
+        return f"needs {count} GPUs"
+    capability = max(tuple(mark.kwargs.get("capability", (0, 0))) for mark in marks)
+    if torch.cuda.get_device_capability() < capability:
+        return f"needs a GPU of compute capability {capability[0]}.{capability[1]} or newer"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """Every test skipped for want of a GPU ("needs CUDA", "needs a Hopper GPU", "needs 2 GPUs")
-    carries the `gpu` marker, so `python -m pytest -m gpu tests` on the device runs all of them.
-    One without it stops the collection: it would be skipped in CI and never selected on the GPU."""
-    unmarked = [
+    """A test that needs a GPU says so with the `gpu` marker alone: the marker skips it where the
+    GPU is missing, and `python -m pytest -m gpu tests` on the device selects it. A `skipif` that
+    gives a missing GPU as its reason stops the collection: `-m gpu` would not select its test."""
+    by_skipif = [
         item.nodeid for item in items
-        if item.get_closest_marker("gpu") is None
-        and any(str(mark.kwargs.get("reason", "")).startswith("needs") and ("CUDA" in mark.kwargs["reason"] or "GPU" in mark.kwargs["reason"])
-                for mark in item.iter_markers("skipif"))
+        if any(str(mark.kwargs.get("reason", "")).startswith("needs") and ("CUDA" in mark.kwargs["reason"] or "GPU" in mark.kwargs["reason"])
+               for mark in item.iter_markers("skipif"))
     ]
-    if unmarked:
-        raise pytest.UsageError("tests that need a GPU without the `gpu` marker (add @pytest.mark.gpu): " + ", ".join(unmarked[:10]))
+    if by_skipif:
+        raise pytest.UsageError("tests that skip for want of a GPU by a skipif (mark them @pytest.mark.gpu, with count= or "
+                                "capability= where they need more than one CUDA device): " + ", ".join(by_skipif[:10]))
+    for item in items:
+        reason = _gpu_missing(item)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))

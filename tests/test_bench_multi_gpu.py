@@ -54,8 +54,7 @@ def test_tie_heavy_heads_put_ties_infinities_and_nans_at_every_shard_edge():
         assert torch.isnan(logits).any(1).all() and torch.equal(logits.argmax(1), torch.full((3,), size + 2))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.gpu(count=2)
 def test_argmax_over_nccl_two_gpus(tmp_path):
     out, result = run(["--only", "argmax", "--tp", "2", "--replays", "5", "--calls", "2"], tmp_path)
     checks = result["argmax"]["2"]["checks"]

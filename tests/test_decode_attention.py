@@ -144,7 +144,6 @@ def test_decode_attention_interpreted(check):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_decode_attention_compiled(check):
     namespace: dict = {}

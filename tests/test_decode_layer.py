@@ -183,7 +183,6 @@ def test_decode_layer_interpreted(check):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("check", sorted(CHECKS) + ["check_graph"])
 def test_decode_layer_compiled(check):
     namespace: dict = {}

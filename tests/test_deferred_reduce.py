@@ -31,7 +31,6 @@ from florist.layers import linear
 from florist.layers.linear import RowParallelLinear
 from florist.layers.norm import RMSNorm
 
-CUDA = torch.cuda.is_available()
 EPS = 1e-6
 
 
@@ -276,7 +275,6 @@ def test_generation_with_deferred_partials(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_dispatch_of_partials(monkeypatch):
     """On CUDA: RMSNorm with a residual runs the fused kernel; without one, or where the fused
     kernel does not apply, the partials are reduced by the reduce kernel first."""
@@ -332,7 +330,6 @@ def _unfused_add_norm(self, x, residual, norm):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_qwen3_fused_reduce_equals_unfused_on_gpu(monkeypatch):
     """Three ways through o_proj/down_proj and the norm after each: as served (one launch for
     <= FUSED_NORM_MAX_ROWS rows, partials into the norm for <= 128), with the one-launch op off
@@ -389,7 +386,6 @@ def _decode_sized(m: int, n: int, k: int, dtype=torch.bfloat16, residual_dtype=N
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_fused_add_norm_dispatch_on_gpu():
     for m in range(1, skinny_gemm.FUSED_NORM_MAX_ROWS + 1):
         for k in (2048, 3072):  # Qwen3-0.6B's o_proj and down_proj
@@ -416,7 +412,6 @@ def test_fused_add_norm_dispatch_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_fused_add_norm_replays_from_a_cuda_graph():
     """Captured after one eager call (which makes the counters), replayed on fresh inputs: the
     eager bits every time, and the counters back at 0 after each replay."""

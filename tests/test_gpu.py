@@ -12,7 +12,7 @@ import florist
 from florist.engine.batch import HostBatch, to_device
 from florist.engine.graph_runner import bucket
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 from test_fidelity import TEXTS  # noqa: E402
 
@@ -197,7 +197,7 @@ def test_a_capture_while_another_thread_waits_on_a_batch(qwen3_dir):
     assert engine.runner.graphs.stats()["graphs"] >= 1
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.gpu(count=2)
 def test_an_engine_on_the_other_gpu_runs_from_any_thread(qwen3_dir):
     """An engine on cuda:1 (what `florist serve` gives its second replica) runs from the loading
     thread and from another one, whose current device is still cuda:0: eager, captured, replayed,

@@ -19,7 +19,7 @@ from florist.engine.generation.runner import ADVANCE
 from test_generation import NEW_TOKENS, make_causal_lm, prompts_for, reference
 from test_generation_pipeline import run_steps
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +197,7 @@ def test_after_the_warm_up_covered_buckets_compile_nothing_and_replay_the_same_t
     engine.close()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.gpu(count=2)
 def test_warm_up_at_tensor_parallel_two_gpus(lm_dir):
     """The warm-up's steps go through rank 0's broadcast: both ranks meet every decode bucket in
     the same order (else the model's NCCL collectives would wait forever), so the captures that
@@ -262,7 +262,7 @@ def test_bf16_tokens_are_transformers_argmax(lm_dir):
         assert gap <= 0.1  # CPU bf16 measures <= 0.02 on this model; logits are ~5
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.gpu(count=2)
 def test_tensor_parallel_two_gpus_over_nccl(lm_dir):
     """Rank 0 here, rank 1 spawned; decode graphs capture the NCCL all-reduces."""
     engine = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype="fp32", tensor_parallel_size=2,
@@ -285,7 +285,7 @@ def test_tensor_parallel_two_gpus_over_nccl(lm_dir):
     assert np.all([not p.is_alive() for p in engine.runner.tp.procs])
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.gpu(count=2)
 def test_florist_serve_at_tensor_parallel_two_gpus(lm_dir):
     """`florist serve --tensor-parallel-size 2` on two GPUs, fp32, with its default warm-up: one
     replica whose ranks meet over NCCL; completions of token-id prompts are transformers' greedy

@@ -23,7 +23,6 @@ import kernel_cases
 from florist.kernels import activation, norms, rotary
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA = torch.cuda.is_available()
 
 
 def _subprocess_env(**extra: str) -> dict[str, str]:
@@ -52,7 +51,6 @@ def test_kernel_matches_reference_interpreted(case, interpreted_results):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("case", list(kernel_cases.CASES))
 def test_kernel_matches_reference_gpu(case):
     kernel_cases.run_case(case, "cuda", big=True)
@@ -128,7 +126,6 @@ def test_package_imports_and_runs_without_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_dispatches_to_triton(dtype):
     for name, got, want in _public_vs_impl(_sample_inputs("cuda", dtype), "triton"):
@@ -137,7 +134,6 @@ def test_cuda_dispatches_to_triton(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_public_ops_capture_in_cuda_graph():
     """The wrappers make no host syncs: capture all ops in one graph, refill the inputs, replay."""
     static = _sample_inputs("cuda")
@@ -229,8 +225,7 @@ def _prefill_layer_chain(rows: int, seed: int):
     return t, forward
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0), reason="needs a Hopper GPU")
+@pytest.mark.gpu(capability=(9, 0))
 @pytest.mark.parametrize("rows", [37, 128])
 def test_pdl_gives_the_same_bits(rows, monkeypatch):
     """A prefill layer's kernels launched with programmatic dependent launch give the bits they

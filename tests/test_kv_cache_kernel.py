@@ -77,7 +77,6 @@ def test_store_kv_kernel_interpreted():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", ["check", "check_rope_store"])
 def test_store_kv_kernel_compiled(case):
     namespace: dict = {}

@@ -28,7 +28,6 @@ from florist.kernels import short_attention as short
 from florist.layers import attention
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA = torch.cuda.is_available()
 # The kernel rounds the softmax weights to the input dtype before the P @ V product (as flash
 # attention does); the reference keeps them in fp32. fp32 runs the products in IEEE fp32.
 TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -161,7 +160,6 @@ def test_short_attention_interpreted(case, interpreted_results):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_short_attention_gpu(case):
     result = run_cases("cuda", True, [case])[case]
@@ -169,7 +167,6 @@ def test_short_attention_gpu(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_short_attention_replays_from_a_cuda_graph():
     gen = torch.Generator().manual_seed(0)
     q, k, v = _qkv(gen, 128, 16, 8, 128, torch.bfloat16, "cuda")

@@ -19,11 +19,6 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 VOCABS = (131072, 32001)
 
 
-def gpu(test):
-    """A CUDA-only test, marked `gpu` (what `pytest -m gpu` runs on the device)."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
-
-
 def _check(full: torch.Tensor, tp: int, layout: str = "row_major", device: str = "cpu", **kw) -> None:
     shards, starts, num_valids = split_into_shards(full, tp, layout, device)
     got = vpa.simulated_vocab_parallel_argmax(shards, starts, num_valids, **kw)
@@ -120,7 +115,6 @@ def test_logits_processor_tp1(vocab, soft_cap, scale):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_logits_processor_tp1_cuda_matches_argmax():
     """At TP 1 on CUDA get_top_tokens runs the candidate kernels: the same ids as torch.argmax."""
     g = torch.Generator().manual_seed(3)
@@ -138,7 +132,7 @@ def test_logits_processor_tp1_cuda_matches_argmax():
 # GPU: the Triton kernels themselves, and a captured CUDA graph
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -151,7 +145,7 @@ def test_kernels_on_gpu(tp, dtype, layout, kind):
         _check(full, tp, layout, device="cuda")
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_slices", (1, 3, 8, 64))
 def test_gpu_candidates_equal_reference_bitwise(num_slices):
     full = make_logits("nan", 9, 32001, 4, torch.bfloat16, seed=3)
@@ -162,7 +156,7 @@ def test_gpu_candidates_equal_reference_bitwise(num_slices):
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", (1, 8, 64))
 def test_cuda_graph_replays(rows):
     tp, vocab = 4, 131072

@@ -94,16 +94,7 @@ def test_layouts_the_kernel_cannot_take_are_refused_on_the_host():
     assert not wg._supported(x.float(), torch.zeros(128, 64))  # fp32
 
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
-def gpu(test):
-    """A Hopper-only test, marked `gpu` (what `pytest -m gpu` runs on the device)."""
-    return pytest.mark.gpu(pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90+) GPU")(test))
-
-
-@gpu
+@pytest.mark.gpu(capability=(9, 0))
 @pytest.mark.parametrize("m", [1024, 3000, 16384])
 def test_wide_gemm_gpu_against_cublas_and_the_separate_kernels(m):
     from florist.kernels import activation, wide_gemm as wg
@@ -123,7 +114,7 @@ def test_wide_gemm_gpu_against_cublas_and_the_separate_kernels(m):
     torch.testing.assert_close(y.float(), F.linear(x[6:], w).float(), atol=2e-2, rtol=2e-2)
 
 
-@gpu
+@pytest.mark.gpu(capability=(9, 0))
 def test_qwen3_embedder_with_and_without_the_wide_kernel(tmp_path, monkeypatch):
     """A Qwen3 embedder fed 4 x 300 tokens (1,200 rows: the kernel runs), gives
     the same embeddings with the kernel as without, and both match the fp32 CPU reference."""
