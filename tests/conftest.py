@@ -87,8 +87,8 @@ def pytest_collection_modifyitems(config, items):
                for mark in item.iter_markers("skipif"))
     ]
     if by_skipif:
-        raise pytest.UsageError("tests that skip for want of a GPU by a skipif (mark them @pytest.mark.gpu, with count= or "
-                                "capability= where they need more than one CUDA device): " + ", ".join(by_skipif[:10]))
+        raise pytest.UsageError("tests that skip for want of a GPU by a skipif (mark them @pytest.mark.gpu instead, with count= "
+                                "for several devices or capability= for a newer one): " + ", ".join(by_skipif[:10]))
     for item in items:
         reason = _gpu_missing(item)
         if reason is not None:

@@ -151,8 +151,6 @@ def _triton_backend() -> AttentionFn:
 SHORT_MAX_SEQLEN = 256  # ragged batches: longest sequence (a host bound: the graph bucket's)
 SHORT_MAX_TOKENS = 1024  # ragged batches: tokens in the batch, padding included
 SHORT_MAX_SEQS = 8  # sequences in a ragged batch (a graph bucket's dummy included)
-
-
 # One sequence: tokens x max_seqlen x (query heads x head_dim); FLORIST_SHORT_SINGLE_MAX_WORK
 # moves the bound (for A/B runs of bench/engine.py).
 SHORT_SINGLE_MAX_WORK = int_from_env("FLORIST_SHORT_SINGLE_MAX_WORK", 1 << 26)
