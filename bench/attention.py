@@ -3,7 +3,7 @@ bf16; the default) or all-MiniLM-L6-v2 (12 heads, head_dim 32, fp16).
 
 Times one layer's attention for the shapes the engine sees, for every backend that applies, so the
 "auto" policy in florist/layers/attention.py is chosen from measurements (among them where the
-Triton short-sequence kernel, column "triton", wins: SHORT_MAX_SEQLEN / SHORT_MAX_TOKENS there).
+Triton kernel, column "triton", wins: SHORT_SINGLE_MAX_WORK / SHORT_RAGGED_MAX_SEQLEN there).
 Each call is timed inside a CUDA graph, as the engine runs it (`--eager` times plain launches,
 which for microsecond kernels mostly measures the host's launch cost):
 
@@ -15,6 +15,13 @@ longer ones with the geometry's masking (Qwen3 causal, MiniLM bidirectional), ea
 checked against varlen first, cuDNN and varlen timed beside them:
 
     python bench/attention.py --sweep [--geometry minilm-l6] [--json FILE] [--shapes "1 x 128,100 x 256"]
+
+--buckets times varlen against the kernel as `launch_config` picks it on batches of several
+sequences laid out as the engine's CUDA graphs run them (a bucket's padding in a dummy sequence,
+empty sequence slots up to the bucket's count) and on ragged batches of long sequences, with the
+backend "auto" takes for each (Qwen3: causal and bidirectional, pplx-embed's masking):
+
+    python bench/attention.py --buckets [--geometry minilm-l6]
 
 q, k and v are strided column slices of one qkv product's output, as the models make them.
 """
@@ -30,8 +37,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from florist.engine.batch import HostBatch, to_device  # noqa: E402
-from florist.layers.attention import select_backend  # noqa: E402
+from florist.engine.batch import HostBatch, pack, to_device, views  # noqa: E402
+from florist.engine.graph_runner import bucket  # noqa: E402
+from florist.layers.attention import auto_choice, select_backend  # noqa: E402
 
 # name: (query heads, kv heads, head_dim, dtype)
 GEOMETRIES = {"qwen3-0.6b": (16, 8, 128, torch.bfloat16), "minilm-l6": (12, 12, 32, torch.float16)}
@@ -73,6 +81,16 @@ def qkv_views(t: int, hq: int, hkv: int, d: int, dtype, dev):
     return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
 
 
+def graph_batch(lens: list[int], dev):
+    """The batch of these sequence lengths as a CUDA graph of the engine runs it
+    (florist/engine/graph_runner.py): tokens padded to the bucket, the padding in a dummy
+    sequence, empty sequence slots up to the bucket's count -> (padded tokens, RaggedBatch)."""
+    host = HostBatch.from_sequences([[0] * n for n in lens])
+    tokens, seqs, longest, exact = bucket(host)
+    packed = torch.from_numpy(pack(host, tokens, seqs, longest=longest)).to(dev)
+    return tokens, views(packed, tokens, seqs, False, max_seqlen=longest, seq_lens_host=(), single_sequence=seqs == 2, has_padding=not exact)
+
+
 def sdpa_batched(kind, hq, hkv, d):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -100,6 +118,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time the Triton kernel's configurations at its short shapes")
     ap.add_argument("--json", help="with --sweep: write every configuration's time to this file")
     ap.add_argument("--shapes", default="", help="with --sweep: a comma list of the shapes to sweep (default: all), e.g. '1 x 128,100 x 256'")
+    ap.add_argument("--buckets", action="store_true", help="varlen against the kernel as picked, on graph buckets and ragged batches")
     args = ap.parse_args()
     args.shapes = [label.strip() for label in args.shapes.split(",") if label.strip()]
     unknown = sorted(set(args.shapes) - {label for label, _ in SWEEP_SHAPES})
@@ -110,6 +129,8 @@ def main():
         return 1
     if args.sweep:
         return sweep(args)
+    if args.buckets:
+        return buckets(args)
     hq, hkv, d, dtype = GEOMETRIES[args.geometry]
     dev = torch.device("cuda")
     varlen, short = select_backend("varlen", dev), select_backend("triton", dev)
@@ -149,7 +170,8 @@ def main():
 
 SWEEP_SHAPES = [("1 x 64", [64]), ("1 x 128", [128]), ("1 x 256", [256]), ("1 x 512", [512]), ("1 x 1024", [1024]),
                 ("ragged 4 <= 200", [200, 37, 101, 9]), ("ragged 8 <= 256", [256, 200, 150, 100, 64, 32, 17, 5]),
-                ("100 x 256", [256] * 100)]
+                ("100 x 256", [256] * 100), ("8 x 128 bucket", [128] * 8), ("100 x 128 bucket", [128] * 100),
+                ("100 x 256 bucket", [256] * 100)]
 # The masking the served models use: Qwen3 embedders are causal, BERT encoders bidirectional.
 SWEEP_CAUSAL = {"qwen3-0.6b": True, "minilm-l6": False}
 
@@ -170,16 +192,20 @@ def sweep(args) -> None:
     varlen = select_backend("varlen", dev)
     cudnn = sdpa_batched("cudnn", hq, hkv, d)
     packs = (False, True) if hq != hkv else (False,)
-    configs = list(itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3), packs))
+    configs = list(itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3), packs))
     print(f"{args.geometry}, {str(dtype).removeprefix('torch.')}, {'causal' if causal else 'bidirectional'}, "
           f"us per call ({'eager' if args.eager else 'CUDA graph'})")
     table, lines = {}, []
     for label, lens in SWEEP_SHAPES:
         if args.shapes and label not in args.shapes:
             continue
-        t, max_len = sum(lens), max(lens)
+        if label.endswith("bucket"):  # as a CUDA graph runs it: padding in a dummy sequence, empty slots
+            t, batch = graph_batch(lens, dev)
+            max_len = batch.max_seqlen
+        else:
+            t, max_len = sum(lens), max(lens)
+            batch = to_device(HostBatch.from_sequences([[0] * n for n in lens]), dev)
         q, k, v = qkv_views(t, hq, hkv, d, dtype, dev)
-        batch = to_device(HostBatch.from_sequences([[0] * n for n in lens]), dev)
         ref = varlen(q, k, v, batch, causal, d**-0.5).float()
 
         def run(cfg=None):
@@ -190,7 +216,7 @@ def sweep(args) -> None:
 
         default = timed(run, graph=not args.eager) * 1e3
         others = {"varlen": timed(lambda: varlen(q, k, v, batch, causal, d**-0.5), graph=not args.eager) * 1e3}
-        if len(set(lens)) == 1:  # equal lengths: one dense call
+        if len(set(lens)) == 1 and not label.endswith("bucket"):  # equal lengths: one dense call
             others["cudnn"] = timed(lambda: cudnn(q, k, v, lens, causal), graph=not args.eager) * 1e3
         times = {}
         for cfg in configs:
@@ -217,6 +243,56 @@ def sweep(args) -> None:
 
 def triton_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _uniform(rng, count: int, low: int, high: int) -> list[int]:
+    return [int(n) for n in rng.integers(low, high + 1, size=count)]
+
+
+def buckets(args) -> None:
+    """varlen against the kernel as `launch_config` picks it, us per call in a CUDA graph, on
+    batches of several sequences: graph buckets as the engine captures them (tokens padded to the
+    bucket, the padding in a dummy sequence, empty slots up to the bucket's sequence count) and
+    ragged batches of long sequences; "auto" is the backend florist/layers/attention.py takes."""
+    import numpy as np
+
+    from florist.kernels import short_attention as sa
+
+    hq, hkv, d, dtype = GEOMETRIES[args.geometry]
+    dev = torch.device("cuda")
+    varlen = select_backend("varlen", dev)
+    rng = np.random.default_rng(1)
+    lens_list = [("8 x 128", [128] * 8), ("32 x 128", [128] * 32), ("100 x 128", [128] * 100), ("100 x U(16..128)", _uniform(rng, 100, 16, 128)),
+                 ("8 x 256", [256] * 8), ("32 x 256", [256] * 32), ("100 x 256", [256] * 100), ("8 x 512", [512] * 8),
+                 ("16 x 512", [512] * 16), ("100 x 512", [512] * 100), ("16 x U(32..512)", _uniform(rng, 16, 32, 512)),
+                 ("100 x U(32..512)", _uniform(rng, 100, 32, 512))]
+    if args.geometry == "qwen3-0.6b":  # positions past MiniLM's 512
+        lens_list += [("4 x 1024", [1024] * 4), ("8 x 1024", [1024] * 8), ("4 x 2048", [2048] * 4), ("2 x 4096", [4096] * 2),
+                      ("4 x U(512..4096)", _uniform(rng, 4, 512, 4096)), ("16 x U(32..2048)", _uniform(rng, 16, 32, 2048))]
+    maskings = (True, False) if args.geometry == "qwen3-0.6b" else (False,)
+    print(f"{args.geometry}, {str(dtype).removeprefix('torch.')}, us per call (CUDA graph); graph buckets up to 16,384 tokens "
+          "(the engine's Qwen3 threshold), ragged batches above")
+    print(f"{'masking':13s} {'shape':18s} {'tokens':>7s} {'seqs':>5s} {'longest':>7s} {'varlen':>8s} {'kernel':>8s} {'varlen/kernel':>13s}  auto    tiles")
+    for causal in maskings:
+        for label, lens in lens_list:
+            if sum(lens) <= 16384:
+                t, batch = graph_batch(lens, dev)
+            else:  # a batch the engine runs eagerly: exactly its tokens
+                t, batch = sum(lens), to_device(HostBatch.from_sequences([[0] * n for n in lens]), dev)
+            q, k, v = qkv_views(t, hq, hkv, d, dtype, dev)
+            ref = varlen(q, k, v, batch, causal, d**-0.5).float()
+            run = lambda: sa.short_attention_triton(q, k, v, batch.cu_seqlens, batch.max_seqlen, causal, d**-0.5)  # noqa: E731
+            err = (run().float() - ref).abs().max().item()
+            if err >= 2e-2:
+                print(f"{label}: the kernel's max error against varlen is {err:.3g}; not timed")
+                continue
+            tv, tk = timed(lambda: varlen(q, k, v, batch, causal, d**-0.5)) * 1e3, timed(run) * 1e3
+            seqs = batch.cu_seqlens.shape[0] - 1
+            cfg = sa.launch_config(batch.max_seqlen, d, hq // hkv, t, seqs)
+            tiles = f"{cfg['blocks'][0]} x {cfg['blocks'][1]}{', packed' if cfg['pack_groups'] else ''}"
+            choice = auto_choice(batch, t, causal, True, hq * d)
+            print(f"{'causal' if causal else 'bidirectional':13s} {label:18s} {t:7d} {seqs:5d} {batch.max_seqlen:7d} {tv:8.2f} {tk:8.2f} "
+                  f"{tv / tk:12.2f}x  {choice:7s} {tiles}", flush=True)
 
 
 if __name__ == "__main__":

@@ -116,6 +116,9 @@ def _build_cases():
     # Tile overrides (bench/attention.py --sweep): query and key tiles other than the defaults.
     cases["fp16-causal-tiles-16x16"] = _case(torch.float16, [1, 7, 33, 100], 4, 2, 32, True, launch=dict(blocks=(16, 16), num_warps=2, num_stages=1))
     cases["fp32-bidir-tiles-64x128"] = _case(torch.float32, [7, 33, 100], 2, 1, 64, False, pad=3, launch=dict(blocks=(64, 128), num_warps=8, num_stages=3))
+    # the batch tiles launch_config picks for many tokens (MiniLM-like heads; Qwen3-like grouped heads)
+    cases["fp16-bidir-tiles-128x64"] = _case(torch.float16, [7, 33, 130, 100, 0], 2, 2, 32, False, pad=3, launch=dict(blocks=(128, 64), num_warps=4, num_stages=3))
+    cases["bf16-causal-batch-packed-32x64"] = _case(torch.bfloat16, [7, 33, 128, 100, 0], 4, 2, 128, True, pad=5, launch=dict(blocks=(32, 64), pack_groups=True))
     # One program per kv head, its query heads packed into the rows (pack_groups).
     for name, dtype in DTYPES.items():
         cases[f"{name}-causal-packed-groups"] = _case(dtype, [1, 7, 33, 100], 4, 2, 32, True, pad=5, launch=dict(pack_groups=True))
@@ -217,23 +220,24 @@ def test_auto_takes_the_short_kernel_where_it_was_measured_faster():
             assert _choice(make([100]), causal, width=qwen3) == "triton"  # graph bucket: 128 tokens, longest 128
             assert _choice(make([256]), causal, width=qwen3) != "triton"
             assert _choice(make([512]), causal, width=qwen3) != "triton"
-            # ragged batches of short sequences, whatever the width
+            # ragged batches, whatever the width
             assert _choice(make([100, 7, 33]), causal, width=qwen3) == "triton"
             assert _choice(make([200, 150, 180, 90]), causal, width=qwen3) == "triton"
-    # equal lengths: dense SDPA (faster than the kernel at 8 x 128 for both models); in a graph
-    # bucket (never equal lengths) more than SHORT_MAX_SEQS sequences stay with varlen
+            assert _choice(make([4096, 512, 3000]), causal, width=qwen3) == "triton"
+            assert _choice(make([4097, 5]), causal, width=qwen3) == "varlen"  # past SHORT_RAGGED_MAX_SEQLEN
+    # Equal lengths run eagerly as one dense SDPA call (faster there, e.g. Qwen3 100 x 512); a
+    # graph bucket's batch is never of equal lengths (its dummy holds the padding), so it takes
+    # the kernel, however many sequences it holds.
     assert _choice(_eager_batch([128] * 8)) == "sdpa_batched"
-    assert _choice(_graph_batch([128] * 8)) == "varlen"
-    assert _choice(_graph_batch([100] * 7)) == "triton"
     assert _choice(_eager_batch([128] * 8), width=12 * 32) == "sdpa_batched"
-    # Above either bound the earlier choices stand.
+    assert _choice(_eager_batch([512] * 100)) == "sdpa_batched"
+    assert _choice(_graph_batch([128] * 8)) == "triton"
+    assert _choice(_graph_batch([256] * 100), width=12 * 32) == "triton"
+    assert _choice(_eager_batch([300, 5])) == "triton"
+    # One sequence above the work bound, as before.
     assert _choice(_eager_batch([257])) == "sdpa_batched"
     assert _choice(_graph_batch([257])) == "sdpa_single"  # causal single sequence over the bucket
     assert _choice(_graph_batch([257]), causal=False) == "varlen"
-    assert _choice(_graph_batch([257, 5])) == "varlen"  # ragged, past SHORT_MAX_SEQLEN
-    assert _choice(_eager_batch([128] * 9)) == "sdpa_batched"  # 1152 tokens
-    assert _choice(_eager_batch([300, 5])) == "varlen"
-    assert _choice(_graph_batch([128] * 9)) == "varlen"
     # Where the kernel does not apply (no triton, an unsupported layout), as before.
     assert _choice(_eager_batch([128]), short_kernel=False) == "sdpa_batched"
     assert _choice(_graph_batch([100]), short_kernel=False) == "sdpa_single"
@@ -259,14 +263,39 @@ def test_the_single_sequence_bound_moves_with_its_environment_variable(monkeypat
     assert bad.returncode != 0 and "FLORIST_SHORT_SINGLE_MAX_WORK" in bad.stderr, bad.stderr[-2000:]
 
 
+def test_the_ragged_bound_moves_with_its_environment_variable(monkeypatch):
+    """FLORIST_SHORT_RAGGED_MAX_SEQLEN (for A/B runs): read at import; 0 sends every ragged batch
+    to varlen, single sequences keep their own bound."""
+    env = {**os.environ, "FLORIST_SHORT_RAGGED_MAX_SEQLEN": "0"}
+    proc = subprocess.run([sys.executable, "-c", "from florist.layers import attention; print(attention.SHORT_RAGGED_MAX_SEQLEN)"],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) == 0
+    assert _choice(_graph_batch([100, 7, 33])) == "triton"
+    monkeypatch.setattr(attention, "SHORT_RAGGED_MAX_SEQLEN", 0)
+    assert _choice(_graph_batch([100, 7, 33])) == "varlen"
+    assert _choice(_graph_batch([256] * 100), width=12 * 32) == "varlen"
+    assert _choice(_graph_batch([100])) == "triton"  # one sequence: SHORT_SINGLE_MAX_WORK decides
+
+
 def test_launch_config_follows_the_sweep():
     pytest.importorskip("triton")
+    # wide heads (Qwen3): one short sequence (in a graph bucket: it and its dummy) takes 16-row tiles
     assert short.launch_config(128, 128, 2) == dict(blocks=(16, 128), num_warps=4, num_stages=2, pack_groups=False)
+    assert short.launch_config(128, 128, 2, 128, 2) == short.launch_config(128, 128, 2)
     assert short.launch_config(40, 128, 2)["blocks"] == (16, 64)  # key tiles no wider than the sequence bucket
+    # ... anything else 32 x 64 tiles with the grouped heads packed, short sequences in a batch too
     assert short.launch_config(512, 128, 2) == dict(blocks=(32, 64), num_warps=4, num_stages=3, pack_groups=True)
+    assert short.launch_config(128, 128, 2, 12800, 128) == dict(blocks=(32, 64), num_warps=4, num_stages=3, pack_groups=True)
+    assert short.launch_config(20, 128, 2, 512, 16)["blocks"] == (32, 32)
     assert short.launch_config(512, 128, 1)["pack_groups"] is False  # nothing to pack without grouped heads
+    # narrow heads (MiniLM): 64 x 128 tiles, 128 x 64 for batches of >= 4,096 tokens of sequences of >= 128
     assert short.launch_config(512, 32, 1) == dict(blocks=(64, 128), num_warps=4, num_stages=3, pack_groups=False)
     assert short.launch_config(20, 32, 1)["blocks"] == (32, 32)
+    assert short.launch_config(256, 32, 1, 25600, 128) == dict(blocks=(128, 64), num_warps=4, num_stages=3, pack_groups=False)
+    assert short.launch_config(128, 32, 1, 4096, 64)["blocks"] == (128, 64)
+    assert short.launch_config(256, 32, 1, 2048, 16)["blocks"] == (64, 128)  # fewer tokens
+    assert short.launch_config(64, 32, 1, 6400, 128)["blocks"] == (64, 64)  # shorter sequences
 
 
 def test_auto_backend_calls_the_kernel(monkeypatch):

@@ -18,7 +18,10 @@ query blocks run last to first, so under a causal mask the longest programs star
 Tiles, warps, stages and packing come from `launch_config` (measured on the H200).
 
 At batch 1 the whole problem is ~128 x 128 scores per head: cuDNN's SDPA costs ~7 us per call
-there, varlen FlashAttention ~9 us; this kernel is one small launch of ~4 us and no memset.
+there, varlen FlashAttention ~9 us; this kernel is one small launch of ~4 us and no memset. It
+began as the short-sequence kernel and kept the name, but ragged batches of longer sequences
+(graph buckets, up to 4,096 tokens a sequence) run faster on it than on varlen FlashAttention
+too ("auto" in florist/layers/attention.py says where it runs).
 
 Only host values size the launch (`max_seqlen`, the shapes), so it is capturable in a CUDA graph.
 `max_seqlen` must bound every sequence's length (RaggedBatch.max_seqlen and the graph buckets do).
@@ -95,22 +98,29 @@ def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     return short_attention_ref(q, k, v, cu_seqlens, causal, scale)
 
 
-def launch_config(max_seqlen: int, head_dim: int, groups: int) -> dict:
-    """Tiles, warps, stages and head packing for a launch, from `bench/attention.py --sweep` on the
-    H200 (docs/benchmarks.md, "Attention backends"; us per call in a CUDA graph):
+def launch_config(max_seqlen: int, head_dim: int, groups: int, num_tokens: int = 0, num_seqs: int = 1) -> dict:
+    """Tiles, warps, stages and head packing for a launch over `num_seqs` sequence slots (a graph
+    bucket's dummy and empty slots included) of at most `max_seqlen` tokens, `num_tokens` in all
+    (padding included), from `bench/attention.py --sweep` and `--buckets` on the H200
+    (docs/benchmarks.md, "Attention backends"; us per call in a CUDA graph):
 
-    - head_dim <= 64 (all-MiniLM-L6-v2, 32): 64-row query tiles, 128-key tiles, 3 stages, within
-      4 % of the best configuration at every shape swept (1 x 64 ... 1 x 1024, ragged);
-    - wider heads (Qwen3, 128), sequences <= 128 tokens: 16-row query tiles over 128-key tiles
-      (1 x 128: 4.10 us against 5.00 for the earlier 32 x 64 tiles);
-    - wider heads, longer sequences: 32-row tiles, 64-key tiles, 3 stages, the query heads of a
-      kv head packed into one program (1 x 512: 10.92 us against 17.46; cuDNN 12.46)."""
+    - head_dim <= 64 (all-MiniLM-L6-v2, 32): 64-row query tiles over 128-key tiles, 3 stages,
+      within 4 % of the best configuration at every single sequence swept (1 x 64 ... 1 x 1024)
+      and small batches; batches of >= 4,096 tokens of sequences of >= 128 tokens take 128-row
+      query tiles over 64-key tiles (100 x 256: 55.5 us against 65.6);
+    - wider heads (Qwen3, 128), one sequence (in a graph: one and its dummy) of <= 128 tokens:
+      16-row query tiles over 128-key tiles (1 x 128: 4.10 us against 5.00 for 32 x 64 tiles);
+    - wider heads, anything else: 32-row tiles, 64-key tiles, 3 stages, the query heads of a kv
+      head packed into one program (1 x 512: 10.92 us against 17.46; batches of short sequences
+      too: 100 x 128 68.6 us against 162.7 with the one-sequence tiles)."""
     fit = max(16, triton.next_power_of_2(max(max_seqlen, 1)))
     if head_dim <= 64:
+        if num_tokens >= 4096 and fit >= 128:
+            return dict(blocks=(128, 64), num_warps=4, num_stages=3, pack_groups=False)
         return dict(blocks=(min(64, fit), min(128, fit)), num_warps=4, num_stages=3, pack_groups=False)
-    if max_seqlen <= 128:
+    if max_seqlen <= 128 and num_seqs <= 2:
         return dict(blocks=(16, min(128, fit)), num_warps=4, num_stages=2, pack_groups=False)
-    return dict(blocks=(32, 64), num_warps=4, num_stages=3, pack_groups=groups > 1)
+    return dict(blocks=(min(32, fit), min(64, fit)), num_warps=4, num_stages=3, pack_groups=groups > 1)
 
 
 def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -136,7 +146,7 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if num_seqs == 0 or max_seqlen <= 0:
         return out.zero_()  # no sequence: every row is outside one
     groups = num_heads // k.shape[1]
-    config = launch_config(max_seqlen, head_dim, groups)
+    config = launch_config(max_seqlen, head_dim, groups, num_tokens, num_seqs)
     block_m, block_n = blocks if blocks is not None else config["blocks"]
     num_warps = config["num_warps"] if num_warps is None else num_warps
     num_stages = config["num_stages"] if num_stages is None else num_stages

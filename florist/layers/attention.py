@@ -143,14 +143,18 @@ def _triton_backend() -> AttentionFn:
 #   12.5) and MiniLM's 512 / 1,024 (5.8 / 13.0 against 9.1 / 13.9), but in the engine Qwen3's
 #   1 x 512 step took 1.74-1.80 ms of device time with it against 1.69-1.72 with cuDNN (one
 #   machine, alternating; docs/benchmarks.md), so the bound stays where it was measured to pay;
-# - ragged batches of short sequences (4 <= 200 tokens: 8.4 us against varlen's 14.2 for Qwen3,
-#   4.9 against 9.1 for MiniLM; 8 <= 256 tokens: 9.1 against 20.2, 6.3 against 10.4);
-# - never equal-length batches (8 x 128: dense SDPA is faster for both models, and varlen too:
-#   10.1 us against the kernel's 13.5 for Qwen3, an earlier version of the kernel), hence the
-#   bound on sequences (a graph bucket's batch, dummy included, is never "equal lengths").
-SHORT_MAX_SEQLEN = 256  # ragged batches: longest sequence (a host bound: the graph bucket's)
-SHORT_MAX_TOKENS = 1024  # ragged batches: tokens in the batch, padding included
-SHORT_MAX_SEQS = 8  # sequences in a ragged batch (a graph bucket's dummy included)
+# - ragged batches, graph buckets among them (a bucket's batch, dummy included, is never "equal
+#   lengths"), up to sequences of 4,096 tokens: varlen took 1.2-2.4x as long wherever it was
+#   measured, e.g. a graph bucket of 100 x 256 tokens 83.0 against 55.5 us for MiniLM, 251.0
+#   against 161.0 for Qwen3 (causal), a ragged 100 x U(32..512) 399.7 against 217.1, 4 x
+#   U(512..4096) 636.1 against 543.1 (the kernel's tiles for batches: `launch_config`). The one
+#   shape where varlen led was Qwen3 bidirectional 100 x 128 (71.6 against 75.5 us); longer
+#   sequences were not measured, so they stay with varlen;
+# - never equal-length batches run eagerly: one dense SDPA call (cuDNN) is faster there (Qwen3
+#   causal 100 x 512: 0.30 against the kernel's 0.45 ms).
+# FLORIST_SHORT_RAGGED_MAX_SEQLEN moves the ragged bound (0: ragged batches never take the kernel;
+# for A/B runs of bench/engine.py).
+SHORT_RAGGED_MAX_SEQLEN = int_from_env("FLORIST_SHORT_RAGGED_MAX_SEQLEN", 4096)
 # One sequence: tokens x max_seqlen x (query heads x head_dim); FLORIST_SHORT_SINGLE_MAX_WORK
 # moves the bound (for A/B runs of bench/engine.py).
 SHORT_SINGLE_MAX_WORK = int_from_env("FLORIST_SHORT_SINGLE_MAX_WORK", 1 << 26)
@@ -165,8 +169,7 @@ def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel:
         if batch.single_sequence:
             if num_tokens * batch.max_seqlen * width <= SHORT_SINGLE_MAX_WORK:
                 return "triton"
-        elif (batch.max_seqlen <= SHORT_MAX_SEQLEN and num_tokens <= SHORT_MAX_TOKENS and not batch.uniform_seqlen
-              and batch.num_seqs <= SHORT_MAX_SEQS):
+        elif not batch.uniform_seqlen and batch.max_seqlen <= SHORT_RAGGED_MAX_SEQLEN:
             return "triton"
     if batch.uniform_seqlen:
         return "sdpa_batched"
@@ -179,13 +182,13 @@ def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel:
 def _auto_backend() -> AttentionFn:
     """CUDA default, chosen per shape (`auto_choice`) from bench/attention.py's measurements (H200,
     bf16: cuDNN's SDPA runs dense batches 2-3x faster than varlen FlashAttention):
-    - one short sequence with little score work, or a ragged batch of short sequences
-      (SHORT_*): the Triton kernel, one launch with no memset (a bucket's dummy sequence is
-      attended like any other);
+    - one short sequence with little score work (SHORT_SINGLE_MAX_WORK), or a ragged batch
+      (graph buckets included) of sequences up to SHORT_RAGGED_MAX_SEQLEN tokens: the Triton
+      kernel, one launch with no memset (a bucket's dummy sequence is attended like any other);
     - sequences all of one length (and no padding): one dense SDPA call;
     - one sequence, with no padding or with causal attention: SDPA over all tokens (causal real
       tokens never see the padding after them);
-    - anything else (ragged, or a padded bidirectional batch): varlen."""
+    - anything else (ragged batches of longer sequences, a padded bidirectional sequence): varlen."""
     from florist.kernels import short_attention as short
 
     varlen = _varlen_backend()
