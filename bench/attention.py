@@ -44,6 +44,19 @@ from florist.layers.attention import auto_choice, select_backend  # noqa: E402
 # name: (query heads, kv heads, head_dim, dtype)
 GEOMETRIES = {"qwen3-0.6b": (16, 8, 128, torch.bfloat16), "minilm-l6": (12, 12, 32, torch.float16)}
 BACKENDS = ("varlen", "triton", "flash", "cudnn", "efficient")
+
+
+def graph_max_tokens(geometry: str) -> int:
+    """The engine's CUDA-graph threshold for the geometry (florist/engine/runner.py:
+    default_graph_max_tokens): batches up to it run as graph buckets, larger ones eagerly."""
+    from florist.config import ModelConfig
+    from florist.engine.runner import default_graph_max_tokens
+
+    from geometries import GEOMETRIES as MODELS  # bench/geometries.py
+
+    g = dict(MODELS[geometry])
+    g["model_type"] = g.pop("family")
+    return default_graph_max_tokens(ModelConfig.from_hf(g))
 CALLS_PER_GRAPH = 20
 
 
@@ -270,12 +283,13 @@ def buckets(args) -> None:
         lens_list += [("4 x 1024", [1024] * 4), ("8 x 1024", [1024] * 8), ("4 x 2048", [2048] * 4), ("2 x 4096", [4096] * 2),
                       ("4 x U(512..4096)", _uniform(rng, 4, 512, 4096)), ("16 x U(32..2048)", _uniform(rng, 16, 32, 2048))]
     maskings = (True, False) if args.geometry == "qwen3-0.6b" else (False,)
-    print(f"{args.geometry}, {str(dtype).removeprefix('torch.')}, us per call (CUDA graph); graph buckets up to 16,384 tokens "
-          "(the engine's Qwen3 threshold), ragged batches above")
+    graph_max = graph_max_tokens(args.geometry)
+    print(f"{args.geometry}, {str(dtype).removeprefix('torch.')}, us per call (CUDA graph); graph buckets up to {graph_max:,} tokens "
+          "(the engine's graph threshold for this model), the batch as it is above")
     print(f"{'masking':13s} {'shape':18s} {'tokens':>7s} {'seqs':>5s} {'longest':>7s} {'varlen':>8s} {'kernel':>8s} {'varlen/kernel':>13s}  auto    tiles")
     for causal in maskings:
         for label, lens in lens_list:
-            if sum(lens) <= 16384:
+            if sum(lens) <= graph_max:
                 t, batch = graph_batch(lens, dev)
             else:  # a batch the engine runs eagerly: exactly its tokens
                 t, batch = sum(lens), to_device(HostBatch.from_sequences([[0] * n for n in lens]), dev)

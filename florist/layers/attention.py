@@ -144,14 +144,14 @@ def _triton_backend() -> AttentionFn:
 #   1 x 512 step took 1.74-1.80 ms of device time with it against 1.69-1.72 with cuDNN (one
 #   machine, alternating; docs/benchmarks.md), so the bound stays where it was measured to pay;
 # - ragged batches, graph buckets among them (a bucket's batch, dummy included, is never "equal
-#   lengths"), up to sequences of 4,096 tokens: varlen took 1.2-2.4x as long wherever it was
-#   measured, e.g. a graph bucket of 100 x 256 tokens 83.0 against 55.5 us for MiniLM, 251.0
-#   against 161.0 for Qwen3 (causal), a ragged 100 x U(32..512) 399.7 against 217.1, 4 x
-#   U(512..4096) 636.1 against 543.1 (the kernel's tiles for batches: `launch_config`). The one
-#   shape where varlen led was Qwen3 bidirectional 100 x 128 (71.6 against 75.5 us); longer
-#   sequences were not measured, so they stay with varlen;
+#   lengths"), of sequences up to 4,096 tokens (`bench/attention.py --buckets`): varlen took
+#   1.34-1.89x the kernel's time for MiniLM (100 x 256: 82.4 against 54.6 us) and
+#   1.13-1.89x for Qwen3 causal (100 x U(32..512): 434.4 against 230.0; 2 x 4096: 504.4 against
+#   424.6), with the kernel's tiles for batches (`launch_config`). Bidirectional wide heads
+#   (pplx-embed) gain less, 1.04-1.56x, and lose 4-6 % in buckets of 32-100 sequences of 128-256
+#   tokens; longer sequences were not measured, so they stay with varlen;
 # - never equal-length batches run eagerly: one dense SDPA call (cuDNN) is faster there (Qwen3
-#   causal 100 x 512: 0.30 against the kernel's 0.45 ms).
+#   causal 100 x 512: 0.30 against the kernel's 0.46 ms).
 # FLORIST_SHORT_RAGGED_MAX_SEQLEN moves the ragged bound (0: ragged batches never take the kernel;
 # for A/B runs of bench/engine.py).
 SHORT_RAGGED_MAX_SEQLEN = int_from_env("FLORIST_SHORT_RAGGED_MAX_SEQLEN", 4096)
