@@ -44,19 +44,6 @@ from florist.layers.attention import auto_choice, select_backend  # noqa: E402
 # name: (query heads, kv heads, head_dim, dtype)
 GEOMETRIES = {"qwen3-0.6b": (16, 8, 128, torch.bfloat16), "minilm-l6": (12, 12, 32, torch.float16)}
 BACKENDS = ("varlen", "triton", "flash", "cudnn", "efficient")
-
-
-def graph_max_tokens(geometry: str) -> int:
-    """The engine's CUDA-graph threshold for the geometry (florist/engine/runner.py:
-    default_graph_max_tokens): batches up to it run as graph buckets, larger ones eagerly."""
-    from florist.config import ModelConfig
-    from florist.engine.runner import default_graph_max_tokens
-
-    from geometries import GEOMETRIES as MODELS  # bench/geometries.py
-
-    g = dict(MODELS[geometry])
-    g["model_type"] = g.pop("family")
-    return default_graph_max_tokens(ModelConfig.from_hf(g))
 CALLS_PER_GRAPH = 20
 
 
@@ -102,6 +89,19 @@ def graph_batch(lens: list[int], dev):
     tokens, seqs, longest, exact = bucket(host)
     packed = torch.from_numpy(pack(host, tokens, seqs, longest=longest)).to(dev)
     return tokens, views(packed, tokens, seqs, False, max_seqlen=longest, seq_lens_host=(), single_sequence=seqs == 2, has_padding=not exact)
+
+
+def graph_max_tokens(geometry: str) -> int:
+    """The engine's CUDA-graph threshold for the geometry (florist/engine/runner.py:
+    default_graph_max_tokens): batches up to it run as graph buckets, larger ones eagerly."""
+    from florist.config import ModelConfig
+    from florist.engine.runner import default_graph_max_tokens
+
+    from geometries import GEOMETRIES as MODELS  # bench/geometries.py
+
+    g = dict(MODELS[geometry])
+    g["model_type"] = g.pop("family")
+    return default_graph_max_tokens(ModelConfig.from_hf(g))
 
 
 def sdpa_batched(kind, hq, hkv, d):

@@ -101,9 +101,9 @@ def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 def launch_config(max_seqlen: int, head_dim: int, groups: int, num_tokens: int = 0, num_seqs: int = 1) -> dict:
     """Tiles, warps, stages and head packing for a launch over `num_seqs` sequence slots (a graph
     bucket's dummy and empty slots included) of at most `max_seqlen` tokens, `num_tokens` in all
-    (padding included), from `bench/attention.py --sweep` on the H200, for batches over graph
-    buckets as the engine captures them (docs/benchmarks.md, "Attention backends" and "Ragged
-    batches and graph buckets"; us per call in a CUDA graph):
+    (padding included), from `bench/attention.py --sweep` on the H200, over single sequences and
+    over graph buckets as the engine captures them (docs/benchmarks.md, "Attention backends" and
+    "Ragged batches and graph buckets"; us per call in a CUDA graph):
 
     - head_dim <= 64 (all-MiniLM-L6-v2, 32): 64-row query tiles over 128-key tiles, 3 stages,
       within 4 % of the best configuration at every single sequence swept (1 x 64 ... 1 x 1024)
