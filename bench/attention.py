@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from florist.engine.batch import HostBatch, pack, to_device, views  # noqa: E402
-from florist.engine.graph_runner import bucket  # noqa: E402
+from florist.engine.batch import HostBatch, pack, to_device  # noqa: E402
+from florist.engine.graph_runner import bucket, bucket_views  # noqa: E402
 from florist.layers.attention import auto_choice, select_backend  # noqa: E402
 
 # name: (query heads, kv heads, head_dim, dtype)
@@ -86,9 +86,9 @@ def graph_batch(lens: list[int], dev):
     (florist/engine/graph_runner.py): tokens padded to the bucket, the padding in a dummy
     sequence, empty sequence slots up to the bucket's count -> (padded tokens, RaggedBatch)."""
     host = HostBatch.from_sequences([[0] * n for n in lens])
-    tokens, seqs, longest, exact = bucket(host)
-    packed = torch.from_numpy(pack(host, tokens, seqs, longest=longest)).to(dev)
-    return tokens, views(packed, tokens, seqs, False, max_seqlen=longest, seq_lens_host=(), single_sequence=seqs == 2, has_padding=not exact)
+    key = bucket(host)
+    packed = torch.from_numpy(pack(host, key[0], key[1], longest=key[2])).to(dev)
+    return key[0], bucket_views(packed, key, with_types=False)
 
 
 def graph_max_tokens(geometry: str) -> int:

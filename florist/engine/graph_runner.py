@@ -118,6 +118,17 @@ def covers(cover: Key, key: Key, num_tokens: int, num_seqs: int, max_seqlen: int
     return num_seqs + -(-(tokens - num_tokens) // longest) <= seqs and (seqs > 2 or num_seqs == 1)
 
 
+def bucket_views(packed: torch.Tensor, key: Key, with_types: bool) -> RaggedBatch:
+    """The batch a graph of bucket `key` runs, over its packed inputs (`pack(host, key[0], key[1],
+    longest=key[2])`, on the device)."""
+    # NOTE: a graph is replayed for every batch of its bucket, so only bucket-wide facts may
+    # shape it: B = 1 is the only batch size in sequence bucket 2, and `exact_single` is part
+    # of the key.
+    tokens, seqs, max_seqlen, exact_single = key
+    return views(packed, tokens, seqs, with_types, max_seqlen=max_seqlen, seq_lens_host=(),
+                 single_sequence=seqs == 2, has_padding=not exact_single)
+
+
 class GraphRunner(LazyGraphs):
     def __init__(self, forward: Callable[[RaggedBatch], torch.Tensor], device: torch.device, *, max_tokens: int, with_token_types: bool,
                  rent: int = RENT_SIGHTS):
@@ -168,13 +179,8 @@ class GraphRunner(LazyGraphs):
             return replace(host, token_type_ids=None)
         return host
 
-    def _views(self, packed: torch.Tensor, key: tuple[int, int, int, bool]) -> RaggedBatch:
-        # NOTE: a graph is replayed for every batch of its bucket, so only bucket-wide facts may
-        # shape it: B = 1 is the only batch size in sequence bucket 2, and `exact_single` is part
-        # of the key.
-        tokens, seqs, max_seqlen, exact_single = key
-        return views(packed, tokens, seqs, self.with_types, max_seqlen=max_seqlen, seq_lens_host=(),
-                     single_sequence=seqs == 2, has_padding=not exact_single)
+    def _views(self, packed: torch.Tensor, key: Key) -> RaggedBatch:
+        return bucket_views(packed, key, self.with_types)
 
     def log_fields(self, key: tuple[int, int, int, bool]) -> tuple[int, int, int]:
         return key[0], key[1] - 1, key[2]  # tokens, sequences (the dummy's place left out), longest
