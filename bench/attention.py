@@ -14,7 +14,7 @@ which for microsecond kernels mostly measures the host's launch cost):
 longer ones with the geometry's masking (Qwen3 causal, MiniLM bidirectional), each configuration
 checked against varlen first, cuDNN and varlen timed beside them:
 
-    python bench/attention.py --sweep [--geometry minilm-l6] [--json FILE] [--shapes "1 x 128,100 x 256"]
+    python bench/attention.py --sweep [--geometry minilm-l6] [--masking bidirectional] [--json FILE] [--shapes "1 x 128,100 x 256"]
 
 --buckets times varlen against the kernel as `launch_config` picks it on batches of several
 sequences laid out as the engine's CUDA graphs run them (a bucket's padding in a dummy sequence,
@@ -131,6 +131,9 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time the Triton kernel's configurations at its short shapes")
     ap.add_argument("--json", help="with --sweep: write every configuration's time to this file")
     ap.add_argument("--shapes", default="", help="with --sweep: a comma list of the shapes to sweep (default: all), e.g. '1 x 128,100 x 256'")
+    ap.add_argument("--masking", choices=("causal", "bidirectional"),
+                    help="with --sweep: the masking to sweep (default: the geometry's own, Qwen3 causal, MiniLM bidirectional; "
+                         "Qwen3 bidirectional is pplx-embed's)")
     ap.add_argument("--buckets", action="store_true", help="varlen against the kernel as picked, on graph buckets and ragged batches")
     args = ap.parse_args()
     args.shapes = [label.strip() for label in args.shapes.split(",") if label.strip()]
@@ -183,8 +186,9 @@ def main():
 
 SWEEP_SHAPES = [("1 x 64", [64]), ("1 x 128", [128]), ("1 x 256", [256]), ("1 x 512", [512]), ("1 x 1024", [1024]),
                 ("ragged 4 <= 200", [200, 37, 101, 9]), ("ragged 8 <= 256", [256, 200, 150, 100, 64, 32, 17, 5]),
-                ("100 x 256", [256] * 100), ("8 x 128 bucket", [128] * 8), ("100 x 128 bucket", [128] * 100),
-                ("100 x 256 bucket", [256] * 100)]
+                ("100 x 256", [256] * 100), ("8 x 128 bucket", [128] * 8), ("32 x 128 bucket", [128] * 32),
+                ("100 x 128 bucket", [128] * 100), ("32 x 256 bucket", [256] * 32), ("100 x 256 bucket", [256] * 100),
+                ("8 x 512 bucket", [512] * 8), ("16 x 512 bucket", [512] * 16)]
 # The masking the served models use: Qwen3 embedders are causal, BERT encoders bidirectional.
 SWEEP_CAUSAL = {"qwen3-0.6b": True, "minilm-l6": False}
 
@@ -200,7 +204,7 @@ def sweep(args) -> None:
     from florist.kernels import short_attention as sa
 
     hq, hkv, d, dtype = GEOMETRIES[args.geometry]
-    causal = SWEEP_CAUSAL[args.geometry]
+    causal = SWEEP_CAUSAL[args.geometry] if args.masking is None else args.masking == "causal"
     dev = torch.device("cuda")
     varlen = select_backend("varlen", dev)
     cudnn = sdpa_batched("cudnn", hq, hkv, d)

@@ -119,6 +119,8 @@ def _build_cases():
     # the batch tiles launch_config picks for many tokens (MiniLM-like heads; Qwen3-like grouped heads)
     cases["fp16-bidir-tiles-128x64"] = _case(torch.float16, [7, 33, 130, 100, 0], 2, 2, 32, False, pad=3, launch=dict(blocks=(128, 64), num_warps=4, num_stages=3))
     cases["bf16-causal-batch-packed-32x64"] = _case(torch.bfloat16, [7, 33, 128, 100, 0], 4, 2, 128, True, pad=5, launch=dict(blocks=(32, 64), pack_groups=True))
+    cases["bf16-bidir-batch-packed-32x32"] = _case(torch.bfloat16, [7, 33, 256, 100, 0, 1], 4, 2, 128, False, pad=5, launch=dict(blocks=(32, 32), pack_groups=True))
+    cases["fp32-causal-batch-packed-32x32"] = _case(torch.float32, [7, 33, 70, 0, 1], 4, 2, 128, True, pad=5, launch=dict(blocks=(32, 32), pack_groups=True))
     # One program per kv head, its query heads packed into the rows (pack_groups).
     for name, dtype in DTYPES.items():
         cases[f"{name}-causal-packed-groups"] = _case(dtype, [1, 7, 33, 100], 4, 2, 32, True, pad=5, launch=dict(pack_groups=True))
@@ -286,7 +288,14 @@ def test_launch_config_follows_the_sweep():
     assert short.launch_config(40, 128, 2)["blocks"] == (16, 64)  # key tiles no wider than the sequence bucket
     # ... anything else 32 x 64 tiles with the grouped heads packed, short sequences in a batch too
     assert short.launch_config(512, 128, 2) == dict(blocks=(32, 64), num_warps=4, num_stages=3, pack_groups=True)
-    assert short.launch_config(128, 128, 2, 12800, 128) == dict(blocks=(32, 64), num_warps=4, num_stages=3, pack_groups=True)
+    assert short.launch_config(512, 128, 2, 8192, 16) == dict(blocks=(32, 64), num_warps=4, num_stages=3, pack_groups=True)
+    # ... with 32-key tiles for batches of >= 4,096 tokens of sequences of <= 256 tokens
+    assert short.launch_config(128, 128, 2, 12800, 128) == dict(blocks=(32, 32), num_warps=4, num_stages=3, pack_groups=True)
+    assert short.launch_config(256, 128, 2, 8192, 64)["blocks"] == (32, 32)
+    assert short.launch_config(128, 128, 2, 4096, 64)["blocks"] == (32, 32)
+    assert short.launch_config(257, 128, 2, 8192, 64)["blocks"] == (32, 64)  # longer sequences
+    assert short.launch_config(256, 128, 2, 2048, 16)["blocks"] == (32, 64)  # fewer tokens
+    assert short.launch_config(128, 128, 2, 1024, 16)["blocks"] == (32, 64)
     assert short.launch_config(20, 128, 2, 512, 16)["blocks"] == (32, 32)
     assert short.launch_config(512, 128, 1)["pack_groups"] is False  # nothing to pack without grouped heads
     # narrow heads (MiniLM): 64 x 128 tiles, 128 x 64 for batches of >= 4,096 tokens of sequences of >= 128

@@ -113,7 +113,11 @@ def launch_config(max_seqlen: int, head_dim: int, groups: int, num_tokens: int =
       16-row query tiles over 128-key tiles (1 x 128: 4.10 us against 5.00 for 32 x 64 tiles);
     - wider heads, anything else: 32-row tiles, 64-key tiles, 3 stages, the query heads of a kv
       head packed into one program (1 x 512: 10.92 us against 17.46; batches of short sequences
-      too: 100 x 128 68.6 us against 162.7 with the one-sequence tiles)."""
+      too: 100 x 128 68.6 us against 162.7 with the one-sequence tiles);
+    - ... with 32-key tiles for batches of >= 4,096 tokens of sequences of <= 256 tokens (graph
+      buckets, causal / bidirectional: 100 x 128 59.5 / 71.3 us against 69.5 / 76.5, 32 x 256
+      52.9 / 66.8 against 58.2 / 71.8; smaller batches lost with them, 8 x 256 17.3 / 21.4
+      against 16.7 / 17.6, and at 512 tokens a sequence the two are even)."""
     fit = max(16, triton.next_power_of_2(max(max_seqlen, 1)))
     if head_dim <= 64:
         if num_tokens >= 4096 and fit >= 128:
@@ -121,7 +125,8 @@ def launch_config(max_seqlen: int, head_dim: int, groups: int, num_tokens: int =
         return dict(blocks=(min(64, fit), min(128, fit)), num_warps=4, num_stages=3, pack_groups=False)
     if max_seqlen <= 128 and num_seqs <= 2:
         return dict(blocks=(16, min(128, fit)), num_warps=4, num_stages=2, pack_groups=False)
-    return dict(blocks=(min(32, fit), min(64, fit)), num_warps=4, num_stages=3, pack_groups=groups > 1)
+    block_n = 32 if max_seqlen <= 256 and num_tokens >= 4096 else 64
+    return dict(blocks=(min(32, fit), min(block_n, fit)), num_warps=4, num_stages=3, pack_groups=groups > 1)
 
 
 def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
