@@ -1,7 +1,8 @@
 """florist's engine against Hugging Face transformers on the same random weights, in one process.
 
 Scenarios (issue "GPU speed"): batch-1 latency at 128 / 512 / 4096 tokens, 100 x 512 and ragged
-100 x U(32..512) throughput for the Qwen3-0.6B geometry (causal and bidirectional pplx-embed), the
+100 x U(32..512) throughput for the Qwen3-0.6B geometry (causal and bidirectional pplx-embed), ragged
+100 x U(64..256) (a corpus cut into passages) for both, the
 all-MiniLM-L6-v2 geometry in fp16, a stream of back-to-back step() calls, start-up time, and the
 graph/eager crossover. Throughput is measured twice: synchronously (each batch's result read before
 the next is packed, as transformers is timed) and streamed (two batches in flight, the way a corpus
@@ -42,7 +43,7 @@ class HFBaseline:
         if bidirectional:
             for layer in self.model.layers:
                 layer.self_attn.is_causal = False
-        self.device, self.pooling = device, pooling
+        self.device, self.pooling, self.bidirectional = device, pooling, bidirectional
 
     @torch.inference_mode()
     def embed(self, seqs: list[np.ndarray]) -> np.ndarray:
@@ -54,6 +55,13 @@ class HFBaseline:
             mask[i, : len(s)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         kwargs = {"attention_mask": mask} if any(len(s) != n for s in seqs) else {}
+        if kwargs and self.bidirectional:
+            # transformers makes a causal mask from a padding mask whatever the layers' is_causal
+            # says, so a bidirectional model gets its mask ready-made: every query row (padding
+            # rows too, which stay finite) attends to its sequence's real tokens, for each layer
+            # type.
+            full = mask.bool()[:, None, None, :].expand(len(seqs), 1, n, n)
+            kwargs = {"attention_mask": {kind: full for kind in set(self.model.config.layer_types)}}
         h = self.model(input_ids=ids, **kwargs).last_hidden_state.float()
         if self.pooling == "lasttoken":
             out = h[torch.arange(len(seqs), device=h.device), mask.sum(1) - 1]
@@ -260,11 +268,13 @@ def main():
     else:
         rng = np.random.default_rng(3)
         ragged = [int(x) for x in rng.integers(32, 513, size=100)]
+        chunks = [int(x) for x in rng.integers(64, 257, size=100)]  # a corpus cut into passages of <= 256 tokens
         if want("qwen3") or want("stream") or want("threshold") or want("profile") or want("breakdown") or want("lasttoken"):
             qwen = make_model(tmp / "qwen3", "qwen3-0.6b")
         if want("qwen3"):
             engine = run_geometry("qwen3-0.6b causal", qwen, dtype=torch.bfloat16, device=device, pooling="lasttoken", bidirectional=False,
-                                  latency_lens=[128, 512, 4096], batches=[("100 x 512", [512] * 100), ("100 x U(32..512)", ragged)], args=args)
+                                  latency_lens=[128, 512, 4096], batches=[("100 x 512", [512] * 100), ("100 x U(32..512)", ragged),
+                                                                                    ("100 x U(64..256)", chunks)], args=args)
         elif want("profile") or want("stream") or want("threshold") or want("breakdown") or want("lasttoken"):
             engine = Engine.from_pretrained(qwen, device=device)
         else:
@@ -293,7 +303,8 @@ def main():
             cfg.update(model_type="qwen3", architectures=["Qwen3Model"])
             (pplx_hf / "config.json").write_text(json.dumps(cfg))
             e = run_geometry("pplx-embed-0.6b bidirectional", pplx, dtype=torch.bfloat16, device=device, pooling="mean", bidirectional=True,
-                             latency_lens=[128, 512, 4096], batches=[("100 x 512", [512] * 100)], args=args, baseline_path=pplx_hf)
+                             latency_lens=[128, 512, 4096], batches=[("100 x 512", [512] * 100), ("100 x U(64..256)", chunks)], args=args,
+                             baseline_path=pplx_hf)
             del e
         if want("minilm"):
             minilm = make_model(tmp / "minilm", "minilm-l6", dtype=torch.float16)

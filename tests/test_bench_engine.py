@@ -63,3 +63,22 @@ def test_attention_bench_checks_its_arguments_and_needs_cuda():
     if not torch.cuda.is_available():
         proc = run_bench("attention.py", "--sweep", "--shapes", "100 x 256", timeout=120)
         assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr, proc.stderr
+
+
+def test_bidirectional_baseline_pads_without_a_causal_mask(qwen3_dir):
+    """bench/engine.py's transformers baseline for pplx-embed (a plain Qwen3 directory made
+    non-causal, as the bench's twin directory is): a padded (ragged) batch gives each sequence
+    what it gives alone, i.e. the padding mask does not bring causality back."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from engine import HFBaseline
+
+    hf = HFBaseline(qwen3_dir, torch.float32, "cpu", "mean", bidirectional=True)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(5, 100, size=n).astype(np.int32) for n in (9, 4, 13)]
+    together = hf.embed(seqs)
+    alone = np.concatenate([hf.embed([s]) for s in seqs])
+    np.testing.assert_allclose(together, alone, rtol=1e-4, atol=1e-5)
+    causal = HFBaseline(qwen3_dir, torch.float32, "cpu", "mean", bidirectional=False).embed(seqs[:1])
+    assert np.abs(causal - alone[:1]).max() > 1e-3  # the check can tell the two maskings apart
