@@ -21,7 +21,9 @@ sequences laid out as the engine's CUDA graphs run them (a bucket's padding in a
 empty sequence slots up to the bucket's count) and on ragged batches of long sequences, with the
 backend "auto" takes for each (Qwen3: causal and bidirectional, pplx-embed's masking):
 
-    python bench/attention.py --buckets [--geometry minilm-l6]
+    python bench/attention.py --buckets [--geometry minilm-l6] [--flex]
+
+(`--flex` adds the "flex" backend, FlexAttention under a document mask, compiled: a column of its own.)
 
 q, k and v are strided column slices of one qkv product's output, as the models make them.
 """
@@ -43,7 +45,7 @@ from florist.layers.attention import auto_choice, select_backend  # noqa: E402
 
 # name: (query heads, kv heads, head_dim, dtype)
 GEOMETRIES = {"qwen3-0.6b": (16, 8, 128, torch.bfloat16), "minilm-l6": (12, 12, 32, torch.float16)}
-BACKENDS = ("varlen", "triton", "flash", "cudnn", "efficient")
+BACKENDS = ("varlen", "triton", "flash", "cudnn", "efficient", "flex")
 CALLS_PER_GRAPH = 20
 
 
@@ -135,6 +137,7 @@ def main():
                     help="with --sweep: the masking to sweep (default: the geometry's own, Qwen3 causal, MiniLM bidirectional; "
                          "Qwen3 bidirectional is pplx-embed's)")
     ap.add_argument("--buckets", action="store_true", help="varlen against the kernel as picked, on graph buckets and ragged batches")
+    ap.add_argument("--flex", action="store_true", help="with --buckets: time the flex backend (FlexAttention, compiled) too")
     args = ap.parse_args()
     args.shapes = [label.strip() for label in args.shapes.split(",") if label.strip()]
     unknown = sorted(set(args.shapes) - {label for label, _ in SWEEP_SHAPES})
@@ -149,7 +152,7 @@ def main():
         return buckets(args)
     hq, hkv, d, dtype = GEOMETRIES[args.geometry]
     dev = torch.device("cuda")
-    varlen, short = select_backend("varlen", dev), select_backend("triton", dev)
+    varlen, short, flex = select_backend("varlen", dev), select_backend("triton", dev), select_backend("flex", dev)
     # Short shapes on both sides of the "auto" bounds (256 tokens per sequence, 1024 per batch).
     shapes = [("1 x 64", [64]), ("1 x 128", [128]), ("1 x 256", [256]), ("1 x 512", [512]), ("1 x 4096", [4096]),
               ("8 x 128", [128] * 8), ("16 x 128", [128] * 16), ("ragged 4 <= 200", [200, 37, 101, 9]),
@@ -163,17 +166,18 @@ def main():
             flops = sum(4 * n * n * d * hq for n in lens) / (2 if causal else 1)
             res = {"varlen": timed(lambda: varlen(q, k, v, batch, causal, d**-0.5), graph=not args.eager)}
             ref = varlen(q, k, v, batch, causal, d**-0.5)
-            candidates = {"triton": lambda q, k, v, lens, causal: short(q, k, v, batch, causal, d**-0.5)}
+            candidates = {"triton": lambda q, k, v, lens, causal: short(q, k, v, batch, causal, d**-0.5),
+                          "flex": lambda q, k, v, lens, causal: flex(q, k, v, batch, causal, d**-0.5)}
             candidates.update({kind: sdpa_batched(kind, hq, hkv, d) for kind in ("flash", "cudnn", "efficient")})
             for kind, fn in candidates.items():
                 try:
                     out = fn(q, k, v, lens, causal)
-                    out = out if kind == "triton" else out.transpose(1, 2).reshape(t, hq, d)
+                    out = out if kind in ("triton", "flex") else out.transpose(1, 2).reshape(t, hq, d)
                     err = (out.float() - ref.float()).abs().max().item()
                     res[kind] = timed(lambda: fn(q, k, v, lens, causal), graph=not args.eager) if err < 2e-2 else float("nan")
                     if err >= 2e-2:
                         print(f"{kind} {label}: max error {err:.3g} against varlen; not timed")
-                except RuntimeError as e:
+                except Exception as e:  # noqa: BLE001  (a backend that cannot run this shape: a result)
                     res[kind] = float("nan")
                     print(f"{kind} {label}: {str(e)[:80]}")
             best = min((v_, k_) for k_, v_ in res.items() if v_ == v_)
@@ -290,7 +294,9 @@ def buckets(args) -> None:
     graph_max = graph_max_tokens(args.geometry)
     print(f"{args.geometry}, {str(dtype).removeprefix('torch.')}, us per call (CUDA graph); graph buckets up to {graph_max:,} tokens "
           "(the engine's graph threshold for this model), the batch as it is above")
-    print(f"{'masking':13s} {'shape':18s} {'tokens':>7s} {'seqs':>5s} {'longest':>7s} {'varlen':>8s} {'kernel':>8s} {'varlen/kernel':>13s}  auto    tiles")
+    flex = select_backend("flex", dev) if args.flex else None
+    print(f"{'masking':13s} {'shape':18s} {'tokens':>7s} {'seqs':>5s} {'longest':>7s} {'varlen':>8s} {'kernel':>8s} {'varlen/kernel':>13s}  auto    tiles"
+          + ("            flex" if args.flex else ""))
     for causal in maskings:
         for label, lens in lens_list:
             if sum(lens) <= graph_max:
@@ -305,12 +311,26 @@ def buckets(args) -> None:
                 print(f"{label}: the kernel's max error against varlen is {err:.3g}; not timed")
                 continue
             tv, tk = timed(lambda: varlen(q, k, v, batch, causal, d**-0.5)) * 1e3, timed(run) * 1e3
+            tf = timed_flex(flex, q, k, v, batch, causal, d**-0.5, ref, label) if args.flex else float("nan")
             seqs = batch.cu_seqlens.shape[0] - 1
             cfg = sa.launch_config(batch.max_seqlen, d, hq // hkv, t, seqs)
             tiles = f"{cfg['blocks'][0]} x {cfg['blocks'][1]}{', packed' if cfg['pack_groups'] else ''}"
             choice = auto_choice(batch, t, causal, True, hq * d)
             print(f"{'causal' if causal else 'bidirectional':13s} {label:18s} {t:7d} {seqs:5d} {batch.max_seqlen:7d} {tv:8.2f} {tk:8.2f} "
-                  f"{tv / tk:12.2f}x  {choice:7s} {tiles}", flush=True)
+                  f"{tv / tk:12.2f}x  {choice:7s} {tiles}" + (f"  {tf:8.2f}" if args.flex else ""), flush=True)
+
+
+def timed_flex(flex, q, k, v, batch, causal, scale, ref, label) -> float:
+    """us per call of the flex backend in a CUDA graph, or nan (said why) where it fails or is wrong."""
+    try:
+        err = (flex(q, k, v, batch, causal, scale).float() - ref).abs().max().item()
+        if err >= 2e-2:
+            print(f"{label}: flex's max error against varlen is {err:.3g}; not timed")
+            return float("nan")
+        return timed(lambda: flex(q, k, v, batch, causal, scale)) * 1e3
+    except Exception as e:  # noqa: BLE001  (a compile failure is a result here)
+        print(f"{label}: flex failed: {type(e).__name__}: {str(e)[:200]}")
+        return float("nan")
 
 
 if __name__ == "__main__":

@@ -136,6 +136,15 @@ def _triton_backend() -> AttentionFn:
     return attn
 
 
+@register_backend("flex")
+def _flex_backend() -> AttentionFn:
+    """FlexAttention with a document mask, one call for the whole batch (florist/layers/flex.py);
+    compiled on CUDA, eager (slow, materialised scores) elsewhere. Not picked by "auto"."""
+    from florist.layers.flex import FlexAttention
+
+    return FlexAttention()
+
+
 # Where the Triton kernel wins, from bench/attention.py on the H200 (CUDA graphs, docs/benchmarks.md):
 # - a single sequence while the score work is small: Qwen3-0.6B (16 x 128 per token) up to 128
 #   tokens (4.1 us against cuDNN's 7.3) and all-MiniLM-L6-v2 (12 x 32) up to 256 (3.9 against
@@ -148,8 +157,8 @@ def _triton_backend() -> AttentionFn:
 #   1.34-1.89x the kernel's time for MiniLM (100 x 256: 82.4 against 54.6 us) and
 #   1.13-1.89x for Qwen3 causal (100 x U(32..512): 434.4 against 230.0; 2 x 4096: 504.4 against
 #   424.6), with the kernel's tiles for batches (`launch_config`). Bidirectional wide heads
-#   (pplx-embed) gain less, 1.04-1.56x, and lose 4-6 % in buckets of 32-100 sequences of 128-256
-#   tokens; longer sequences were not measured, so they stay with varlen;
+#   (pplx-embed) gain less, 1.01-1.58x (buckets of 32-100 sequences of 128-256 tokens: 1.01-1.04x
+#   since they take 32-key tiles); longer sequences were not measured, so they stay with varlen;
 # - never equal-length batches run eagerly: one dense SDPA call (cuDNN) is faster there (Qwen3
 #   causal 100 x 512: 0.30 against the kernel's 0.46 ms).
 # FLORIST_SHORT_RAGGED_MAX_SEQLEN moves the ragged bound (0: ragged batches never take the kernel;
