@@ -382,7 +382,9 @@ def test_serve_passes_engine_options_to_its_engine_servers(monkeypatch):
     assert args[args.index("--task") + 1] == "score"
     assert args[args.index("--max-pending-tokens") + 1] == "123" and args[args.index("--max-batch-tokens") + 1] == "456"
     assert "--tensor-parallel-size" not in args and seen["tensor_parallel"] == 1
-    assert main(["serve", "--model", "/m"]) == 0 and "--task" not in seen["engine_args"]
+    assert main(["serve", "--model", "/m"]) == 0 and "--task" not in seen["engine_args"] and "--attention-backend" not in seen["engine_args"]
+    assert main(["serve", "--model", "/m", "--attention-backend", "flex"]) == 0
+    assert seen["engine_args"][seen["engine_args"].index("--attention-backend") + 1] == "flex"
     assert main(["serve", "--model", "/lm", "--tensor-parallel-size", "2"]) == 0  # placement and the engines' own flag
     assert seen["tensor_parallel"] == 2 and seen["engine_args"][seen["engine_args"].index("--tensor-parallel-size") + 1] == "2"
     assert "--no-warm-up" not in seen["engine_args"]  # the engine server's default: warm up

@@ -416,3 +416,24 @@ def test_an_asyncio_call_polls_only_while_it_is_alone(tmp_path, monkeypatch):
     assert alone.pending_sequences == 1 and sorted(r.pending_sequences for r in together) == [2, 3]
     assert lone_turns > 20 and set(turns) == {1}  # ~20 ms of turns for the lone call, none with two in flight
     assert len(turns) - lone_turns < 5  # the pair waited without polling (the first turned at most until the second was sent)
+
+
+def test_the_attention_backend_reaches_the_engine(monkeypatch, capsys, bert_dir):
+    """engine-server --attention-backend: passed to Engine.from_pretrained; a name the registry
+    does not hold is refused with the ones it does."""
+    import florist
+    from florist.server import cli as engine_cli
+
+    seen = {}
+
+    def fake_from_pretrained(*args, **kw):
+        seen.update(kw)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(florist.Engine, "from_pretrained", fake_from_pretrained)
+    assert engine_cli.main(["--model", str(bert_dir), "--device", "cpu", "--attention-backend", "flex"]) == 2
+    assert seen["attention_backend"] == "flex"
+    monkeypatch.undo()
+    assert engine_cli.main(["--model", str(bert_dir), "--device", "cpu", "--attention-backend", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown attention backend 'bogus'" in err and "'flex'" in err

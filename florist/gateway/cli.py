@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or a list cuda:0,cuda:2 (default: every GPU, else the CPU)")
     p.add_argument("--dtype", default=None, help="engine dtype: bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--task", default=None, choices=["embed", "score"], help="override the task read from the model directory (e.g. a Qwen3 reranker whose directory name does not say so)")
+    p.add_argument("--attention-backend", default=None, metavar="NAME",
+                   help="engine attention kernels: auto, varlen, triton, flex or sdpa (engine default: auto on CUDA, sdpa elsewhere)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs each engine replica of a causal LM is sharded over (default 1); replicas default to the GPUs over this")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one engine batch (engine default)")
@@ -97,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         local_socket=not args.no_local_socket, busy_poll=args.gateway_busy_poll, reply_spin_ms=args.gateway_reply_spin_ms,
         busy_poll_linger_ms=args.busy_poll_linger_ms,
     )
-    passed = (("--model", args.model), ("--dtype", args.dtype), ("--task", args.task), ("--max-batch-tokens", args.max_batch_tokens), ("--max-pending-tokens", args.max_pending_tokens),
+    passed = (("--model", args.model), ("--dtype", args.dtype), ("--task", args.task), ("--attention-backend", args.attention_backend), ("--max-batch-tokens", args.max_batch_tokens), ("--max-pending-tokens", args.max_pending_tokens),
               ("--tensor-parallel-size", args.tensor_parallel_size if args.tensor_parallel_size > 1 else None), ("--busy-poll-linger-ms", args.busy_poll_linger_ms),
               ("--launch-ahead-ms", args.launch_ahead_ms))
     engine_args = [a for flag, value in passed if value is not None for a in (flag, str(value))] + (["--busy-poll"] if args.busy_poll else [])

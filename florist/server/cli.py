@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--task", default=None, choices=["embed", "score"], help="override the task read from the model directory")
+    p.add_argument("--attention-backend", default=None, metavar="NAME",
+                   help="attention kernels: auto (the default on CUDA: chosen per batch shape), varlen, triton, flex or sdpa (the "
+                        "default elsewhere); docs/architecture.md says what each is")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="processes a causal LM is sharded over (default 1); on GPUs its ranks take cuda:0..N-1 of the visible ones "
                         "(choose them with CUDA_VISIBLE_DEVICES)")
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--busy-poll-linger-ms must be 0 or more; got {args.busy_poll_linger_ms}")
     if args.launch_ahead_ms is not None and not args.launch_ahead_ms >= 0:
         raise ValueError(f"--launch-ahead-ms must be 0 or more (inf: launch at once); got {args.launch_ahead_ms}")
-    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task, tensor_parallel_size=tp if tp > 1 else None)
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task, attention_backend=args.attention_backend,
+                                    tensor_parallel_size=tp if tp > 1 else None)
     prepare(engine, args)
     config = ServerConfig(
         host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,
