@@ -15,9 +15,10 @@ Of those, the blocks that need no mask (the query block inside one sequence, the
 the same one, and under a causal mask entirely before it) are listed apart as "full" blocks, on
 which the kernel skips `mask_mod`; on the others it masks token by token.
 
-On CUDA `flex_attention` runs compiled (`torch.compile`, which generates its Triton kernel; the
-first batch of each new shape compiles, later shapes reuse a dynamic-shape compile). Elsewhere it
-runs eagerly: torch's unfused implementation, which materialises the scores (tests only).
+On CUDA `flex_attention` runs compiled (`torch.compile`, which generates its Triton kernel: the
+first token count compiles, the second compiles again with dynamic shapes, and every later count
+reuses that). Elsewhere it runs eagerly: torch's unfused implementation, which materialises the
+scores (tests only).
 
 Measured against the other backends by `bench/attention.py` (docs/benchmarks.md, "FlexAttention");
 "auto" does not pick it.
