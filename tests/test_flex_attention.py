@@ -52,7 +52,7 @@ def test_block_table_visits_exactly_the_blocks_the_mask_needs(layout, causal):
     make, lens = LAYOUTS[layout]
     batch = make(lens)
     t = batch.num_tokens
-    count, indices, full_count, full_indices = flex.block_table(batch, t, causal)
+    count, indices, full_count, full_indices = flex.block_table(batch, causal)
     nb = -(-t // flex.BLOCK)
     assert count.shape == full_count.shape == (1, 1, nb) and indices.shape == full_indices.shape == (1, 1, nb, nb)
 
@@ -112,7 +112,7 @@ def test_the_mask_is_made_once_per_batch(monkeypatch):
     batch, or the other masking, gets its own."""
     made = []
     real = flex.block_mask
-    monkeypatch.setattr(flex, "block_mask", lambda *args: made.append(args[1:]) or real(*args))
+    monkeypatch.setattr(flex, "block_mask", lambda batch, causal: made.append((batch.num_tokens, causal)) or real(batch, causal))
     fn = attention.select_backend("flex", torch.device("cpu"))
     first, second = _eager_batch([5, 9]), _eager_batch([5, 9])
     q = torch.randn(14, 2, 8)

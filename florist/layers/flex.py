@@ -36,41 +36,43 @@ from florist.engine.batch import RaggedBatch
 BLOCK = 128
 
 
-def block_table(batch: RaggedBatch, num_tokens: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_table(batch: RaggedBatch, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (kv_num_blocks [1, 1, nb], kv_indices [1, 1, nb, nb], full_kv_num_blocks, full_kv_indices),
     int32, for nb query blocks: query block i visits the key blocks kv_indices[..., i, :kv_num_blocks[i]]
     under `mask_mod`, and full_kv_indices[..., i, :full_kv_num_blocks[i]] without it (unused slots
     hold 0). A key block is full where the query block lies in one sequence, the key block too,
     both whole, and (causal) every key precedes every query."""
-    nb = -(-num_tokens // BLOCK)
-    device = batch.seq_ids.device
+    t = batch.num_tokens
+    nb = -(-t // BLOCK)
     seq = batch.seq_ids.long()
     cu = batch.cu_seqlens.long()
-    blocks = torch.arange(nb, device=device)
+    blocks = torch.arange(nb, device=seq.device)
     first = blocks * BLOCK
-    last = (first + BLOCK).clamp(max=num_tokens) - 1
-    lo = cu[seq[first]] // BLOCK
+    last = (first + BLOCK).clamp(max=t) - 1
+    start = cu[seq[first]]  # where the sequence of each block's first token starts
+    lo = start // BLOCK
     hi = (last if causal else cu[seq[last] + 1] - 1) // BLOCK
     count = hi - lo + 1
     # The full blocks: one run [flo, fhi] inside [lo, hi] (empty unless the query block is one
     # sequence's and whole); the masked ones are the rest of [lo, hi], before and after it.
     one = (seq[first] == seq[last]) & (last - first + 1 == BLOCK)
-    flo = -(-cu[seq[first]] // BLOCK)
-    fhi = torch.minimum((cu[seq[first] + 1]) // BLOCK - 1, torch.full_like(first, num_tokens // BLOCK - 1))
+    flo = -(-start // BLOCK)
+    fhi = (cu[seq[first] + 1] // BLOCK - 1).clamp(max=t // BLOCK - 1)
     if causal:
         fhi = torch.minimum(fhi, blocks - 1)
     full = torch.where(one, (fhi - flo + 1).clamp(min=0), 0)
+    masked = count - full
     before = torch.where(full > 0, flo - lo, count)  # masked blocks ahead of the full run
     j = blocks[None, :]
-    masked = count - full
-    indices = torch.where(j < masked[:, None], torch.where(j < before[:, None], lo[:, None] + j, lo[:, None] + j + full[:, None]), 0)
+    skip = torch.where(j < before[:, None], 0, full[:, None])  # past the full run, step over it
+    indices = torch.where(j < masked[:, None], lo[:, None] + j + skip, 0)
     full_indices = torch.where(j < full[:, None], flo[:, None] + j, 0)
     shape, shape2 = (1, 1, nb), (1, 1, nb, nb)
     return (masked.to(torch.int32).view(shape), indices.to(torch.int32).view(shape2),
             full.to(torch.int32).view(shape), full_indices.to(torch.int32).view(shape2))
 
 
-def block_mask(batch: RaggedBatch, num_tokens: int, causal: bool):
+def block_mask(batch: RaggedBatch, causal: bool):
     from torch.nn.attention.flex_attention import BlockMask
 
     seq = batch.seq_ids
@@ -81,10 +83,10 @@ def block_mask(batch: RaggedBatch, num_tokens: int, causal: bool):
     def causal_same_sequence(b, h, q_idx, kv_idx):
         return (seq[q_idx] == seq[kv_idx]) & (kv_idx <= q_idx)
 
-    count, indices, full_count, full_indices = block_table(batch, num_tokens, causal)
+    count, indices, full_count, full_indices = block_table(batch, causal)
+    t = batch.num_tokens
     return BlockMask.from_kv_blocks(count, indices, full_count, full_indices, BLOCK_SIZE=BLOCK,
-                                    mask_mod=causal_same_sequence if causal else same_sequence, seq_lengths=(num_tokens, num_tokens),
-                                    compute_q_blocks=False)
+                                    mask_mod=causal_same_sequence if causal else same_sequence, seq_lengths=(t, t), compute_q_blocks=False)
 
 
 @functools.cache
@@ -101,20 +103,20 @@ class FlexAttention:
     batch object; inside a CUDA graph the mask is made once in the captured forward too)."""
 
     def __init__(self):
-        self._last: tuple[RaggedBatch, int, bool, object] | None = None
+        self._last: tuple[RaggedBatch, bool, object] | None = None
 
-    def mask(self, batch: RaggedBatch, num_tokens: int, causal: bool):
+    def mask(self, batch: RaggedBatch, causal: bool):
         last = self._last
-        if last is None or last[0] is not batch or last[1] != num_tokens or last[2] != causal:
-            last = self._last = (batch, num_tokens, causal, block_mask(batch, num_tokens, causal))
-        return last[3]
+        if last is None or last[0] is not batch or last[1] != causal:
+            last = self._last = (batch, causal, block_mask(batch, causal))
+        return last[2]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch, causal: bool, scale: float) -> torch.Tensor:
         t = q.shape[0]
         if t == 0:
             return torch.empty_like(q)
         qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, D] views
-        kwargs = dict(block_mask=self.mask(batch, t, causal), scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        kwargs = dict(block_mask=self.mask(batch, causal), scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         if q.is_cuda:
             out = _compiled()(qs, ks, vs, **kwargs)
         else:
