@@ -61,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU engines run the batch shapes they will meet before serving (a causal LM: its prefill and decode buckets), "
                         "so kernels compile at start-up rather than while a request of a new shape waits (engine-server --warm-up; "
                         "default: on; --no-warm-up starts faster)")
+    p.add_argument("--in-process", action="store_true",
+                   help="load the engine inside the gateway's process (one replica on one device, one worker): requests reach it "
+                        "without a hop through an engine server's socket, for the lowest batch-1 latency; the engine is not "
+                        "restarted if it fails, and HTTP work and batching share one interpreter")
     p.add_argument("--workers", type=int, default=1, help="gateway processes (default 1)")
     p.add_argument("--api-key", default=os.environ.get("FLORIST_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $FLORIST_API_KEY; none: no key)")
     p.add_argument("--payload-limit", type=int, default=d.payload_limit_bytes, help=f"largest request body in bytes (default {d.payload_limit_bytes})")
@@ -91,12 +95,19 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and not value >= 0:
             print(f"florist serve: {name} must be 0 or more", file=sys.stderr)
             return 2
+    if args.in_process:
+        problem = in_process_problem(args)
+        if problem:
+            print(f"florist serve: --in-process {problem}", file=sys.stderr)
+            return 2
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip()) if args.engines else ()
+    # --in-process: one event loop serves HTTP and the engine, so either busy poll turns it.
+    busy_poll = args.gateway_busy_poll or (args.in_process and args.busy_poll)
     config = GatewayConfig(
         engines=engines, model=args.model, host=args.host, port=args.port, api_key=args.api_key or None,
         payload_limit_bytes=args.payload_limit, max_inputs=args.max_inputs, chunk_seqs=args.chunk_seqs, chunk_tokens=args.chunk_tokens,
         tokenization_workers=args.tokenization_workers or tokenization_threads(args.workers), reuse_port=args.workers > 1,
-        local_socket=not args.no_local_socket, busy_poll=args.gateway_busy_poll, reply_spin_ms=args.gateway_reply_spin_ms,
+        local_socket=not args.no_local_socket, busy_poll=busy_poll, reply_spin_ms=args.gateway_reply_spin_ms,
         busy_poll_linger_ms=args.busy_poll_linger_ms,
     )
     passed = (("--model", args.model), ("--dtype", args.dtype), ("--task", args.task), ("--attention-backend", args.attention_backend), ("--max-batch-tokens", args.max_batch_tokens), ("--max-pending-tokens", args.max_pending_tokens),
@@ -106,8 +117,43 @@ def run(args: argparse.Namespace) -> int:
     engine_args += ["--local-socket", "off"] if args.no_local_socket else []
     engine_args += [] if args.warm_up else ["--no-warm-up"]
     try:
+        if args.in_process:
+            return _serve_in_process(config, args)
         return serve(config, workers=args.workers, engine_args=engine_args, device=args.device, replicas=args.replicas,
                      tensor_parallel=args.tensor_parallel_size)
     except (ConnectionError, OSError, RuntimeError) as e:
         print(f"florist serve: {e}", file=sys.stderr)
         return 1
+
+
+def in_process_problem(args: argparse.Namespace) -> str | None:
+    """Why these flags cannot run --in-process (None: they can)."""
+    if args.engines:
+        return "loads the engine itself; drop --engines"
+    if args.workers != 1:
+        return "runs one gateway worker (the engine's process); drop --workers"
+    if (args.replicas or 1) != 1:
+        return "runs one engine replica; drop --replicas"
+    if args.tensor_parallel_size != 1:
+        return "runs one engine on one device; drop --tensor-parallel-size"
+    if args.device and "," in args.device:
+        return f"runs one engine on one device; --device {args.device} names several"
+    return None
+
+
+def _serve_in_process(config: GatewayConfig, args: argparse.Namespace) -> int:
+    from florist.gateway.supervisor import serve_engine_in_process
+    from florist.server.config import ServerConfig
+
+    server_config = ServerConfig(max_batch_tokens=args.max_batch_tokens, launch_ahead_ms=args.launch_ahead_ms,
+                                 **({"max_pending_tokens": args.max_pending_tokens} if args.max_pending_tokens is not None else {}))
+
+    def load_engine():
+        from florist import Engine
+        from florist.server.cli import prepare
+
+        engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task, attention_backend=args.attention_backend)
+        prepare(engine, argparse.Namespace(warm_up=args.warm_up, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=server_config.max_batch_seqs))
+        return engine
+
+    return serve_engine_in_process(config, load_engine, server_config)

@@ -42,16 +42,17 @@ class RunningGateway:
         self.pipeline.tokenization.close()
 
 
-async def start_gateway(config: GatewayConfig) -> RunningGateway:
+async def start_gateway(config: GatewayConfig, client_factory: Callable[[str], InferenceClient] | None = None) -> RunningGateway:
+    """`client_factory(address)`: the client of each engine replica (default: `InferenceClient`,
+    gRPC or the engine's local socket; `florist serve --in-process`: florist.server.inprocess)."""
     metrics = GatewayMetrics()
     pipeline: Pipeline | None = None
 
     def lone_request() -> bool:  # busy poll: an engine reply is polled for only while its request is the only one
         return pipeline is not None and pipeline.in_flight <= 1
 
-    balancer = Balancer(config.engines, interval_s=config.health_interval_s, on_change=metrics.replica_changed,
-                        client_factory=functools.partial(InferenceClient, local=config.local_socket,
-                                                         spin_ms=config.reply_spin, spin_if=lone_request))
+    client_factory = client_factory or functools.partial(InferenceClient, local=config.local_socket, spin_ms=config.reply_spin, spin_if=lone_request)
+    balancer = Balancer(config.engines, interval_s=config.health_interval_s, on_change=metrics.replica_changed, client_factory=client_factory)
     try:
         info = await balancer.start(config.startup_timeout_s)
         processor = load_text_processor(info, config.model)
@@ -92,9 +93,10 @@ def run_loop(main) -> None:
         return runner.run(main)
 
 
-async def serve_until_signal(config: GatewayConfig, on_ready: Callable[[RunningGateway], None], also: Callable[[], asyncio.Future] | None = None) -> None:
+async def serve_until_signal(config: GatewayConfig, on_ready: Callable[[RunningGateway], None], also: Callable[[], asyncio.Future] | None = None,
+                             client_factory: Callable[[str], InferenceClient] | None = None) -> None:
     """Serve until SIGINT / SIGTERM (or until `also()` finishes, e.g. a supervisor giving up)."""
-    running = await start_gateway(config)
+    running = await start_gateway(config, client_factory)
     freeze_startup_objects()  # a worker's start-up objects stay for good: no full-GC pauses later
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

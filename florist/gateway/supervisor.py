@@ -4,6 +4,8 @@
     workers == 1: the gateway runs on this process's event loop, which also watches the engines
     workers  > 1: worker processes (spawned) share the port with SO_REUSEPORT; this process only
                   supervises: a dead engine is restarted, a dead worker stops everything
+    --in-process: no engine processes: the engine is loaded here and the one gateway calls its
+                  server's handlers on the same event loop (serve_engine_in_process)
     stop (SIGINT / SIGTERM): gateway workers first (no new requests), then the engines
 """
 
@@ -21,6 +23,7 @@ import socket
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from florist.gateway.config import GatewayConfig
@@ -54,6 +57,39 @@ def serve(config: GatewayConfig, *, workers: int, engine_args: list[str], device
     finally:
         terminate([e.proc for e in engines if e.proc is not None], 15.0)
         signal.signal(signal.SIGTERM, previous)
+
+
+def serve_engine_in_process(config: GatewayConfig, load_engine: Callable[[], object], server_config) -> int:
+    """`florist serve --in-process`: `load_engine()` (load and warm up) here, then the gateway and
+    the engine's batcher on this process's one event loop, the gateway calling the service
+    directly (florist/server/inprocess.py). Stops on SIGINT / SIGTERM; nothing to restart."""
+    from florist.gateway.server import run_loop, serve_until_signal
+    from florist.server.inprocess import ADDRESS, InProcessClient, start_in_process
+
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # until the gateway installs its own
+    try:
+        engine = load_engine()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    config = dataclasses.replace(config, engines=(ADDRESS,))
+
+    async def main() -> None:
+        server = await start_in_process(engine, server_config)
+        try:
+            await serve_until_signal(config, lambda running: _announce(running.pipeline.info.model_name, config, running.port, 1),
+                                     client_factory=lambda address: InProcessClient(server.service))
+        finally:
+            await server.stop(grace=None)
+
+    try:
+        run_loop(main())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.close()
+    return 0
 
 
 def _raise_interrupt(signum, frame):

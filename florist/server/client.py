@@ -48,6 +48,29 @@ class GeneratedTokens:
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
+    @classmethod
+    def of(cls, chunk) -> "GeneratedTokens":
+        """From a GenerateChunk message."""
+        return cls(np.frombuffer(chunk.token_ids, dtype=wire.INT32).tolist(), chunk.finish_reason or None, chunk.prompt_tokens, chunk.completion_tokens)
+
+
+# The request messages, as every client builds them (InferenceClient here, InProcessClient in inprocess.py).
+def embed_request(seqs, dimensions: int | None, normalize: bool | None, encoding: str):
+    request = proto.EmbedRequest(tokens=wire.encode_tokens(seqs, proto.TokenBatch), dimensions=dimensions or 0, encoding=encoding)
+    if normalize is not None:
+        request.normalize = normalize
+    return request
+
+
+def score_request(pairs, first_segment_lens: Sequence[int] | bytes, raw: bool):
+    first = first_segment_lens if isinstance(first_segment_lens, (bytes, bytearray)) else np.asarray(first_segment_lens, dtype=wire.INT32).tobytes()
+    return proto.ScoreRequest(tokens=wire.encode_tokens(pairs, proto.TokenBatch), first_segment_lens=bytes(first), raw=raw)
+
+
+def generate_request(prompt_ids: Sequence[int], max_tokens: int, stop_token_ids: Sequence[int], ignore_eos: bool):
+    return proto.GenerateRequest(prompt_ids=np.asarray(prompt_ids, dtype=wire.INT32).tobytes(), max_tokens=max_tokens,
+                                 stop_token_ids=np.asarray(stop_token_ids, dtype=wire.INT32).tobytes(), ignore_eos=ignore_eos)
+
 
 class InferenceClient:
     def __init__(self, address: str, *, timeout: float | None = None, local: bool = True, spin_ms: float = 0.0,
@@ -100,27 +123,19 @@ class InferenceClient:
 
     async def embed(self, seqs, *, dimensions: int | None = None, normalize: bool | None = None, encoding: str = "float", timeout: float | None = None) -> np.ndarray:
         """`seqs`: token-id sequences, or (ids bytes of little-endian int32, seq_lens)."""
-        request = proto.EmbedRequest(tokens=wire.encode_tokens(seqs, proto.TokenBatch), dimensions=dimensions or 0, encoding=encoding)
-        if normalize is not None:
-            request.normalize = normalize
-        response = await self._unary("Embed", request, timeout or self.timeout)
+        response = await self._unary("Embed", embed_request(seqs, dimensions, normalize, encoding), timeout or self.timeout)
         return wire.decode_matrix(response.embeddings)
 
     async def score(self, pairs, first_segment_lens: Sequence[int] | bytes, *, raw: bool = False, timeout: float | None = None) -> np.ndarray:
         """`pairs`: templated (query, document) id sequences, or (ids bytes, seq_lens);
         `first_segment_lens[i]`: how many leading tokens of pair i are the query segment."""
-        first = first_segment_lens if isinstance(first_segment_lens, (bytes, bytearray)) else np.asarray(first_segment_lens, dtype=wire.INT32).tobytes()
-        request = proto.ScoreRequest(tokens=wire.encode_tokens(pairs, proto.TokenBatch), first_segment_lens=bytes(first), raw=raw)
-        response = await self._unary("Score", request, timeout or self.timeout)
+        response = await self._unary("Score", score_request(pairs, first_segment_lens, raw), timeout or self.timeout)
         return wire.decode_matrix(response.scores)
 
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, timeout: float | None = None) -> AsyncIterator[GeneratedTokens]:
         """Greedy continuation of one tokenized prompt, streamed (server-streaming Generate RPC).
         Leaving the loop early cancels the call, and the server frees the sequence's slot."""
-        request = proto.GenerateRequest(
-            prompt_ids=np.asarray(prompt_ids, dtype=wire.INT32).tobytes(), max_tokens=max_tokens,
-            stop_token_ids=np.asarray(stop_token_ids, dtype=wire.INT32).tobytes(), ignore_eos=ignore_eos,
-        )
+        request = generate_request(prompt_ids, max_tokens, stop_token_ids, ignore_eos)
         local = await self._local_channel()
         if local is not None:
             call = local.stream("Generate", request, timeout or self.timeout)
@@ -128,8 +143,7 @@ class InferenceClient:
             call = self._rpc["Generate"](request, timeout=timeout or self.timeout)
         try:
             async for chunk in call:
-                yield GeneratedTokens(np.frombuffer(chunk.token_ids, dtype=wire.INT32).tolist(), chunk.finish_reason or None,
-                                      chunk.prompt_tokens, chunk.completion_tokens)
+                yield GeneratedTokens.of(chunk)
         finally:
             if local is not None:
                 await call.aclose()  # cancels the call unless it ended

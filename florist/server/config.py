@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port (RunningServer.port says which)
+    port: int | None = 50051  # 0: any free port (RunningServer.port says which); None: no gRPC (an in-process gateway, inprocess.py)
     # None: the largest batch the engine replays from a CUDA graph (else 16384). Larger batches
     # run eagerly, and an eager launch of a big model takes tens of ms of the event loop's CPU.
     max_batch_tokens: int | None = None

@@ -94,14 +94,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class _Aborted(Exception):
+class Aborted(Exception):
+    """What a handler's `context.abort(code, details)` raises outside gRPC: the call's status."""
+
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code, self.message = code, message
 
 
-class _Context:
-    """The part of grpc.aio's ServicerContext the handlers use."""
+class HandlerContext:
+    """The part of grpc.aio's ServicerContext the handlers use, for calls that do not come through
+    gRPC (this socket's, and in-process ones: inprocess.py)."""
 
     def __init__(self, deadline: float | None):
         self.deadline = deadline
@@ -110,7 +113,7 @@ class _Context:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     async def abort(self, code: grpc.StatusCode, details: str = ""):
-        raise _Aborted(code, details)
+        raise Aborted(code, details)
 
     def set_trailing_metadata(self, metadata) -> None:  # timing metadata: gRPC only
         pass
@@ -219,11 +222,11 @@ class LocalServer:
             return
         try:
             if kind in STREAMS:
-                await self._stream(getattr(self.service, name)(request, _Context(deadline)), deadline, call_id, connection)
+                await self._stream(getattr(self.service, name)(request, HandlerContext(deadline)), deadline, call_id, connection)
                 response = None
             else:
-                response = await getattr(self.service, name)(request, _Context(deadline))
-        except _Aborted as e:
+                response = await getattr(self.service, name)(request, HandlerContext(deadline))
+        except Aborted as e:
             connection.reply(call_id, e.code, e.message.encode())
         except Exception as e:  # what gRPC reports as UNKNOWN: an error in a handler
             log.exception("%s over the local socket failed", name)
@@ -247,7 +250,7 @@ class LocalServer:
                 finally:
                     await messages.aclose()
         except TimeoutError:
-            raise _Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
 
 
 class _ServerConnection(_Writer, asyncio.Protocol):
@@ -303,7 +306,7 @@ def _answers(path: str) -> bool:
     return True
 
 
-def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     """The exception grpc.aio raises, so callers handle both transports alike."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
@@ -365,7 +368,7 @@ class LocalChannel(_Writer, asyncio.Protocol):
         """Write one request, its replies to go to `receiver` (a call's future, a stream's queue),
         registered in `replies` under the new call id, which is returned."""
         if self._closed is not None:
-            raise _error(grpc.StatusCode.UNAVAILABLE, self._closed)
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, self._closed)
         payload = request.SerializeToString()
         call_id = next(self._ids) & 0xFFFFFFFF
         replies[call_id] = receiver
@@ -385,16 +388,16 @@ class LocalChannel(_Writer, asyncio.Protocol):
                 code, body = await future
         except TimeoutError:
             self._cancel(call_id)
-            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method} over {self.path}: deadline of {timeout} s exceeded") from None
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method} over {self.path}: deadline of {timeout} s exceeded") from None
         except asyncio.CancelledError:
             self._cancel(call_id)
             raise
         except ConnectionError as e:  # from drain(): the connection is gone
-            raise _error(grpc.StatusCode.UNAVAILABLE, f"local socket {self.path}: {e}") from None
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"local socket {self.path}: {e}") from None
         finally:
             self._pending.pop(call_id, None)
         if code != _OK:
-            raise _error(STATUS.get(code, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
+            raise rpc_error(STATUS.get(code, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
         return METHODS[kind][2].FromString(body)
 
     async def stream(self, method: str, request, timeout: float | None = None):
@@ -409,19 +412,19 @@ class LocalChannel(_Writer, asyncio.Protocol):
             try:
                 await self.drain()
             except ConnectionError as e:
-                raise _error(grpc.StatusCode.UNAVAILABLE, f"local socket {self.path}: {e}") from None
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"local socket {self.path}: {e}") from None
             while True:
                 try:
                     # NOTE: the deadline is the whole call's, as gRPC's; the server enforces it too.
                     code, flags, body = await asyncio.wait_for(frames.get(), None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
-                    raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method} over {self.path}: deadline of {timeout} s exceeded") from None
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method} over {self.path}: deadline of {timeout} s exceeded") from None
                 if flags & MORE:
                     yield STREAMS[kind][2].FromString(body)
                     continue
                 ended = True
                 if code != _OK:
-                    raise _error(STATUS.get(code, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
+                    raise rpc_error(STATUS.get(code, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
                 return
         finally:
             self._streams.pop(call_id, None)
@@ -480,7 +483,7 @@ class BlockingLocalClient:
         body = self._read(length)
         assert reply_id == call_id, f"reply to call {reply_id}, expected {call_id}"  # one call at a time
         if code != _OK:
-            raise _error(STATUS.get(code, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
+            raise rpc_error(STATUS.get(code, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
         return METHODS[kind][2].FromString(body)
 
     def _poll(self, until: float) -> None:
@@ -496,7 +499,7 @@ class BlockingLocalClient:
         while len(buf) < n:
             chunk = self.sock.recv(n - len(buf))
             if not chunk:
-                raise _error(grpc.StatusCode.UNAVAILABLE, f"the engine server closed the local socket {self.path}")
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"the engine server closed the local socket {self.path}")
             buf += chunk
         return bytes(buf)
 

@@ -197,9 +197,9 @@ def _set_timing(context, entered_ns: int) -> None:
 
 
 class RunningServer:
-    """A started server on the current event loop: `port`, `stop()`, `wait_for_termination()`."""
+    """A started server on the current event loop: `port` (None without gRPC), `stop()`, `wait_for_termination()`."""
 
-    def __init__(self, server, service: InferenceService, batcher: Batcher, port: int, metrics: ServerMetrics, metrics_http=None,
+    def __init__(self, server, service: InferenceService, batcher: Batcher, port: int | None, metrics: ServerMetrics, metrics_http=None,
                  busy_poll: asyncio.Task | None = None, local: LocalServer | None = None, switch_interval: float | None = None):
         self.server, self.service, self.batcher, self.port = server, service, batcher, port
         self.metrics, self.metrics_http, self.busy_poll, self.local = metrics, metrics_http, busy_poll, local
@@ -218,7 +218,8 @@ class RunningServer:
         self.service.serving = False
         if self.local is not None:
             await self.local.close()
-        await self.server.stop(grace)
+        if self.server is not None:
+            await self.server.stop(grace)
         if self.busy_poll is not None:
             self.busy_poll.cancel()
             sys.setswitchinterval(self.switch_interval)
@@ -229,6 +230,8 @@ class RunningServer:
             self.metrics_http.server_close()
 
     async def wait_for_termination(self) -> None:
+        if self.server is None:
+            raise RuntimeError("this server has no gRPC port to wait on (ServerConfig.port=None); stop() it")
         await self.server.wait_for_termination()
 
 
@@ -268,15 +271,21 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
     metrics.watch(lambda: scheduler.pending_seqs, lambda: scheduler.pending_tokens, lambda: len(batcher.in_flight))
     service = InferenceService(engine, batcher, config, metrics)
     max_request = 12 * config.max_pending_tokens + _MESSAGE_SLACK_BYTES
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_request), ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)])
-    proto.add_servicer(server, service)
-    port = server.add_insecure_port(_hostport(config.host, config.port))
-    if port == 0:
-        raise OSError(f"cannot listen on {_hostport(config.host, config.port)} (in use?); pick another --port")
+    server, port = None, None
+    if config.port is not None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_request), ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)])
+        proto.add_servicer(server, service)
+        port = server.add_insecure_port(_hostport(config.host, config.port))
+        if port == 0:
+            raise OSError(f"cannot listen on {_hostport(config.host, config.port)} (in use?); pick another --port")
     batcher.start()
-    await server.start()
+    if server is not None:
+        await server.start()
     local = None
     if config.local_socket:
+        if server is None:
+            await batcher.stop()
+            raise ValueError("a local socket is advertised through the gRPC Info call: it needs a gRPC port")
         path = config.local_socket
         if path == "auto":
             path = auto_path(port)
