@@ -208,3 +208,19 @@ def test_on_a_gpu_concurrent_clients_get_their_own_rows(qwen3_dir):
         for a, b in zip(g, w):
             cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
             assert a.shape == b.shape and cos.min() >= 0.9999
+
+
+def test_a_server_without_grpc_cannot_advertise_a_socket(bert_engine):
+    from florist.server.service import start_server
+
+    async def main():
+        with pytest.raises(ValueError, match="needs a gRPC port"):
+            await start_server(bert_engine, ServerConfig(port=None, local_socket="auto"))
+        server = await start_server(bert_engine, ServerConfig(port=None))
+        try:
+            with pytest.raises(RuntimeError, match="no gRPC port"):
+                await server.wait_for_termination()
+        finally:
+            await server.stop(grace=None)
+
+    asyncio.run(main())
