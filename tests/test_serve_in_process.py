@@ -224,3 +224,30 @@ def test_a_server_without_grpc_cannot_advertise_a_socket(bert_engine):
             await server.stop(grace=None)
 
     asyncio.run(main())
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_switch_interval_is_lowered_while_serving(qwen3_dir):
+    import sys
+
+    from florist.server.service import BUSY_POLL_SWITCH_S
+
+    engine = florist.Engine.from_pretrained(qwen3_dir, device="cuda")
+    before = sys.getswitchinterval()
+
+    async def calls(client, server):
+        return sys.getswitchinterval()
+
+    assert run(calls, engine) == pytest.approx(min(before, BUSY_POLL_SWITCH_S))  # kept in whole microseconds
+    assert sys.getswitchinterval() == pytest.approx(before)
+
+
+def test_on_the_cpu_the_switch_interval_is_left_alone(bert_engine):
+    import sys
+
+    before = sys.getswitchinterval()
+
+    async def calls(client, server):
+        return sys.getswitchinterval()
+
+    assert run(calls, bert_engine) == before

@@ -21,6 +21,7 @@ it dies (it is the process), and GPU work and HTTP parsing share one interpreter
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from dataclasses import replace
 from typing import AsyncIterator, Sequence
@@ -103,8 +104,17 @@ class InProcessClient:
 async def start_in_process(engine, config: ServerConfig = ServerConfig()):
     """The batcher and service of `engine` on this event loop, with no gRPC port and no local
     socket (`config`'s are ignored): a `RunningServer` whose `service` an `InProcessClient` calls.
-    Its own busy poll is off: the gateway's loop is this loop, and the gateway's poll turns it."""
-    from florist.server.service import start_server
+    Its own busy poll is off: the gateway's loop is this loop, and the gateway's poll turns it.
+
+    On a GPU the batcher polls running batches from the event loop, which then holds the GIL
+    between turns; the gateway's tokenizer threads share this interpreter and would wait for
+    the GIL until the holder is asked to drop it, after the switch interval (5 ms by default).
+    So the interval is lowered as an engine server's busy poll lowers it, and put back at stop."""
+    from florist.server.service import BUSY_POLL_SWITCH_S, start_server
 
     config = replace(config, port=None, local_socket=None, busy_poll=False, busy_poll_linger_ms=0.0)
-    return await start_server(engine, config)
+    running = await start_server(engine, config)
+    if str(engine.info.device).startswith("cuda"):
+        running.switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(running.switch_interval, BUSY_POLL_SWITCH_S))
+    return running

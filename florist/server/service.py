@@ -203,7 +203,7 @@ class RunningServer:
                  busy_poll: asyncio.Task | None = None, local: LocalServer | None = None, switch_interval: float | None = None):
         self.server, self.service, self.batcher, self.port = server, service, batcher, port
         self.metrics, self.metrics_http, self.busy_poll, self.local = metrics, metrics_http, busy_poll, local
-        self.switch_interval = switch_interval  # sys.getswitchinterval() before busy poll lowered it
+        self.switch_interval = switch_interval  # sys.getswitchinterval() before the server lowered it (restored at stop)
 
     @property
     def local_socket(self) -> str | None:
@@ -222,6 +222,7 @@ class RunningServer:
             await self.server.stop(grace)
         if self.busy_poll is not None:
             self.busy_poll.cancel()
+        if self.switch_interval is not None:
             sys.setswitchinterval(self.switch_interval)
         self.service.generation.close()
         await self.batcher.stop()
