@@ -165,6 +165,27 @@ def test_florist_serve_in_process(bert_dir, bert_engine):
     assert code == 0, proc.output()[-3000:]
 
 
+def test_florist_serve_in_process_completions(tmp_path):
+    """A causal LM in-process: /v1/completions streamed and not, as `Engine.generate` answers."""
+    import openai
+
+    lm_dir = make_causal_lm(tmp_path / "lm", tie=True)
+    engine = florist.Engine.from_pretrained(lm_dir, device="cpu")
+    prompts = ["the rose and the tulip need", "search engine"]
+    want = engine.generate(prompts, max_tokens=10)
+    engine.close()
+    proc, url = serve("--in-process", "--model", str(lm_dir), "--device", "cpu")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        whole = client.completions.create(model="lm", prompt=prompts, max_tokens=10)
+        assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == [w.text for w in want]
+        text = "".join(e.choices[0].text for e in client.completions.create(model="lm", prompt=prompts[0], max_tokens=10, stream=True) if e.choices)
+        assert text == want[0].text
+    finally:
+        code = proc.stop()
+    assert code == 0, proc.output()[-3000:]
+
+
 @pytest.mark.parametrize("flags, problem", [
     (["--workers", "2"], "drop --workers"),
     (["--replicas", "2"], "drop --replicas"),
