@@ -6,6 +6,8 @@ CPU against the embedded API, and the flags it refuses."""
 from __future__ import annotations
 
 import asyncio
+import re
+import urllib.request
 
 import grpc
 import numpy as np
@@ -160,6 +162,11 @@ def test_florist_serve_in_process(bert_dir, bert_engine):
         assert status == 400 and str(bert_engine.info.vocab_size) in error_message(body)
         status, _, body = call(url, "/health")
         assert status == 200
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            exposition = r.read().decode()
+        assert "florist_gateway_requests_total" in exposition  # the gateway's own
+        batches = re.search(r"^florist_batch_sequences_count (\S+)$", exposition, re.M)  # the engine server's, in the same process
+        assert batches is not None and float(batches.group(1)) >= 2, exposition[-2000:]
     finally:
         code = proc.stop()
     assert code == 0, proc.output()[-3000:]

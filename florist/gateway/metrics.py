@@ -4,7 +4,8 @@ Several gateway workers serve one port; a scrape reaches one of them. With more 
 `florist serve` sets PROMETHEUS_MULTIPROC_DIR for the workers (not for the engines), every
 worker writes its samples there, and whichever worker is scraped reports the sum over all of
 them (prometheus_client's multiprocess mode; gauges carry a `pid` label). The engines' own
-metrics (queue, batches) are served by `florist engine-server --metrics-port`.
+metrics (queue, batches) are served by `florist engine-server --metrics-port`, or, with
+`florist serve --in-process`, by the gateway's /metrics beside its own (`include`).
 Without prometheus_client installed the gateway runs without metrics and /metrics says so.
 """
 
@@ -43,6 +44,12 @@ class GatewayMetrics:
         self.chunk_retries = prom.Counter("florist_gateway_chunk_retries", "Chunks sent again to another replica, by reason", ["reason"], registry=r)
         self.replica_healthy = prom.Gauge("florist_gateway_replica_healthy", "1 while an engine replica is in rotation", ["replica"], registry=r, multiprocess_mode="liveall")
         self._children: dict = {}
+        self._included: list = []  # registries scraped with this one (the in-process engine server's)
+
+    def include(self, registry) -> None:
+        """Serve `registry`'s samples from /metrics too (an in-process engine server's metrics)."""
+        if self.enabled and registry is not None:
+            self._included.append(registry)
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         if not self.enabled:
@@ -73,7 +80,7 @@ class GatewayMetrics:
             multiprocess.MultiProcessCollector(registry)
         else:
             registry = self.registry
-        return prom.generate_latest(registry), prom.CONTENT_TYPE_LATEST
+        return b"".join(prom.generate_latest(r) for r in (registry, *self._included)), prom.CONTENT_TYPE_LATEST
 
 
 async def metrics_route(request: web.Request) -> web.Response:

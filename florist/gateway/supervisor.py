@@ -78,8 +78,11 @@ def serve_engine_in_process(config: GatewayConfig, load_engine: Callable[[], obj
     async def main() -> None:
         server = await start_in_process(engine, server_config)
         try:
-            await serve_until_signal(config, lambda running: _announce(running.pipeline.info.model_name, config, running.port, 1),
-                                     client_factory=lambda address: InProcessClient(server.service))
+            def on_ready(running) -> None:
+                running.pipeline.metrics.include(getattr(server.metrics, "registry", None))  # the engine's queue and batches on /metrics
+                _announce(running.pipeline.info.model_name, config, running.port, 1)
+
+            await serve_until_signal(config, on_ready, client_factory=lambda address: InProcessClient(server.service))
         finally:
             await server.stop(grace=None)
 
