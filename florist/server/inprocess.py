@@ -14,7 +14,7 @@ timeout becomes the handler's deadline; a caller that is cancelled cancels the h
 queued sequences leave the scheduler).
 
 `start_in_process(engine, config)` starts the batcher and the service without a gRPC port;
-`running.client()` makes the client. What the process gives up: the engine is not restarted if
+`InProcessClient(running.service)` is their client. What the process gives up: the engine is not restarted if
 it dies (it is the process), and GPU work and HTTP parsing share one interpreter (one GIL).
 """
 
