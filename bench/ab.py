@@ -1,4 +1,5 @@
-"""Side-by-side runs of one bench command under settings of an environment variable, interleaved.
+"""Side-by-side runs of one bench command under settings of an environment variable (or of extra
+arguments), interleaved.
 
 On the H200 a bench figure moves by ~5 % between processes and between machines, often more
 than the change under test. Comparing two settings means running each several times, on one
@@ -11,7 +12,10 @@ Round r runs the command once per setting (in the given order on even rounds, re
 ones, so neither setting always runs first), each a fresh process with VAR=setting and
 `--json FILE` appended; the command must write bench/report.py rows there (bench/engine.py,
 generate.py and serve.py do; serve.py's rows are florist's figures of every cell, so
-`-- python bench/serve.py --scenarios 4 --florist-only` compares a serving setting). It then prints, for every measured value (a row's
+`-- python bench/serve.py --scenarios 4 --florist-only` compares a serving setting). With `--args
+A --args B ...` in place of `--env`, a setting is extra arguments put after the command (before
+`--json FILE`), e.g. `--args "" --args "--serve-flags=--in-process"`; an empty one adds
+nothing. It then prints, for every measured value (a row's
 florist figure and its numeric extras, e.g. the breakdown's `gpu_ms`), each setting's figure
 per round and their median, and for every setting after the first, the median of its
 round-by-round difference to the first and in how many rounds it was ahead (lower is ahead
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -73,17 +78,26 @@ def file_safe(setting: str) -> str:
     return "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in setting)
 
 
+ARGS = "args"  # the name under which --args settings are shown and filed
+
+
+def label(name: str, setting: str) -> str:
+    """How a setting is printed: NAME=VALUE, or args="..." for extra arguments."""
+    return f'{name}="{setting}"' if name == ARGS else f"{name}={setting}"
+
+
 def run_rounds(command: list[str], name: str, settings: list[str], rounds: int, timeout: float, out: Path | None) -> list[dict]:
-    """-> one entry per run: {"round", "setting", "seconds", "rows"} (rows None if the run failed)."""
+    """-> one entry per run: {"round", "setting", "seconds", "rows"} (rows None if the run failed).
+    `name` is the environment variable the settings are given to, or ARGS: they are arguments."""
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for setting in settings if r % 2 == 0 else settings[::-1]:
-                rows_file = (out or Path(tmp)) / f"round{r}-{name}-{file_safe(setting)}.json"
-                env = {**os.environ, name: setting}
+                rows_file = (out or Path(tmp)) / f"round{r}-{name}-{file_safe(setting) or 'none'}.json"
+                env, extra = ({**os.environ}, shlex.split(setting)) if name == ARGS else ({**os.environ, name: setting}, [])
                 started = time.perf_counter()
                 try:
-                    proc = subprocess.run([*command, "--json", str(rows_file)], env=env, capture_output=True, text=True, timeout=timeout)
+                    proc = subprocess.run([*command, *extra, "--json", str(rows_file)], env=env, capture_output=True, text=True, timeout=timeout)
                     failed = None if proc.returncode == 0 and rows_file.is_file() else f"exit {proc.returncode}"
                     output = f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
                 except subprocess.TimeoutExpired:
@@ -91,9 +105,9 @@ def run_rounds(command: list[str], name: str, settings: list[str], rounds: int, 
                 seconds = time.perf_counter() - started
                 rows = None if failed else json.loads(rows_file.read_text())
                 if rows is None:
-                    print(f"round {r} {name}={setting}: FAILED ({failed})\n{output}", flush=True)
+                    print(f"round {r} {label(name, setting)}: FAILED ({failed})\n{output}", flush=True)
                 else:
-                    print(f"round {r} {name}={setting}: {len(rows)} rows in {seconds:.1f} s", flush=True)
+                    print(f"round {r} {label(name, setting)}: {len(rows)} rows in {seconds:.1f} s", flush=True)
                 runs.append({"round": r, "setting": setting, "seconds": seconds, "rows": rows})
     return runs
 
@@ -135,14 +149,18 @@ def print_table(table: list[dict], name: str, settings: list[str]) -> None:
             vs = ""
             if s != first and d.get("median_diff") is not None:
                 vs = f"   {d['median_diff']:+.4g}, ahead in {d['ahead']} of {d['pairs']}"
-            print(f"    {name}={s:12s} {figs} {med}{vs}")
+            print(f"    {label(name, s):20s} {figs} {med}{vs}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Example:\n  python bench/ab.py --env FLORIST_PDL=off,wait --rounds 3 -- "
                                        "python bench/engine.py --only breakdown --no-baseline")
-    p.add_argument("--env", required=True, type=parse_env, metavar="NAME=V1,V2[,...]", help="the variable and its settings (the first is the reference)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--env", type=parse_env, metavar="NAME=V1,V2[,...]", help="the variable and its settings (the first is the reference)")
+    what.add_argument("--args", action="append", metavar="ARGS",
+                      help="a setting made of extra arguments for the command (shell words; \"\" for none); give two or more, "
+                           "the first is the reference")
     p.add_argument("--rounds", type=int, default=3, help="runs of each setting, interleaved (default 3)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is stopped (default 600)")
     p.add_argument("--out", type=Path, default=None, help="directory for every run's rows and summary.json")
@@ -153,7 +171,12 @@ def main() -> None:
         p.error("give the bench command after --")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    name, settings = args.env
+    if args.env:
+        name, settings = args.env
+    else:
+        name, settings = ARGS, args.args
+        if len(settings) < 2 or len(set(settings)) < len(settings):
+            p.error("--args takes two settings at least, each given once")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     runs = run_rounds(command, name, settings, args.rounds, args.timeout, args.out)

@@ -34,6 +34,22 @@ def test_interleaves_settings_and_compares_round_by_round(tmp_path, monkeypatch)
     assert "ahead in 3 of 3" in proc.stdout
 
 
+def test_settings_as_extra_arguments(tmp_path, monkeypatch):
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("AB_LOG", str(log))
+    monkeypatch.setenv("AB_X", "a")  # what the command does without extra arguments
+    proc = run_bench("ab.py", "--args", "", "--args", "--x b", "--rounds", "2", "--out", str(tmp_path / "out"), "--", *STAND_IN, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert log.read_text().split() == ["a", "b", "b", "a"]  # "" added nothing, "--x b" its two words
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    step = {(e["row"], e["value"]): e["settings"] for e in summary["table"]}[("step [p50]", "florist")]
+    assert step[""]["figures"] == pytest.approx([2.00, 2.03]) and step["--x b"]["figures"] == pytest.approx([1.51, 1.52])
+    assert step["--x b"]["ahead"] == 2
+    assert sorted(p.name for p in (tmp_path / "out").glob("round*.json")) == [
+        "round0-args---x_b.json", "round0-args-none.json", "round1-args---x_b.json", "round1-args-none.json"]
+    assert 'args="--x b"' in proc.stdout and 'args=""' in proc.stdout
+
+
 def test_a_failed_run_is_shown_and_fails_the_comparison(tmp_path, monkeypatch):
     monkeypatch.setenv("AB_LOG", str(tmp_path / "calls.log"))
     proc = run_bench("ab.py", "--env", "AB_X=a,boom", "--rounds", "1", "--", *STAND_IN, timeout=120)
@@ -49,7 +65,8 @@ def test_a_run_past_its_timeout_is_stopped_and_fails_the_comparison(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["--env", "AB_X=a", "--", "true"], ["--env", "AB_X", "--", "true"], ["--env", "AB_X=a,b"],
-                                  ["--env", "AB_X=a,,b", "--", "true"]])
+                                  ["--env", "AB_X=a,,b", "--", "true"], ["--args", "x", "--", "true"], ["--args", "x", "--args", "x", "--", "true"],
+                                  ["--env", "AB_X=a,b", "--args", "x", "--args", "y", "--", "true"], ["--rounds", "1", "--", "true"]])
 def test_bad_arguments_are_refused(args):
     proc = run_bench("ab.py", *args, timeout=60)
     assert proc.returncode == 2 and "usage" in proc.stderr

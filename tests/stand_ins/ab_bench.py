@@ -1,6 +1,7 @@
 """A stand-in bench command for tests/test_bench_ab.py: records one timed row (with a gpu_ms
-extra) and one rate row whose figures depend on $AB_X and on how many runs came before it (the
-lines of $AB_LOG, to which it appends its setting), then writes them with --json."""
+extra) and one rate row whose figures depend on its setting ($AB_X, or `--x VALUE` when given)
+and on how many runs came before it (the lines of $AB_LOG, to which it appends its setting),
+then writes them with --json."""
 
 import argparse
 import os
@@ -12,8 +13,9 @@ from report import print_summary, record  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--json", required=True)
+p.add_argument("--x", default=None)
 args = p.parse_args()
-setting = os.environ["AB_X"]
+setting = args.x or os.environ["AB_X"]
 if setting == "boom":
     sys.exit("stand-in failure")
 log = Path(os.environ["AB_LOG"])
