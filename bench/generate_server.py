@@ -7,6 +7,8 @@ streaming Generate, batch 1, one request after another, every request --new-toke
     grpc     InferenceClient(local=False): the server-streaming Generate RPC
     local    InferenceClient on the server's host: the same stream over the server's local
              socket (florist/server/local.py), what `florist serve`'s gateway uses
+    inproc   InProcessClient: the server's handlers on this process's event loop, no transport
+             (florist/server/inprocess.py), what `florist serve --in-process`'s gateway uses
     direct   Engine.generate in this process on the same weights (no server): the floor
 
 Per path, p50 over --requests requests: time to the first streamed chunk, milliseconds per token
@@ -38,7 +40,21 @@ sys.path.insert(0, str(ROOT / "bench"))
 async def through_server(address: str, local: bool, prompt: list[int], new_tokens: int, n: int, warmup: int) -> dict:
     from florist.server.client import InferenceClient
 
-    client = InferenceClient(address, local=local)
+    return await streamed(InferenceClient(address, local=local), prompt, new_tokens, n, warmup)
+
+
+async def in_process(engine, prompt: list[int], new_tokens: int, n: int, warmup: int) -> dict:
+    from florist.server.inprocess import InProcessClient, start_in_process
+
+    server = await start_in_process(engine)
+    try:
+        return await streamed(InProcessClient(server.service), prompt, new_tokens, n, warmup)
+    finally:
+        await server.stop(grace=None)
+
+
+async def streamed(client, prompt: list[int], new_tokens: int, n: int, warmup: int) -> dict:
+    """Timed Generate streams through `client` (closed at the end)."""
     firsts, totals, per_token, tokens = [], [], [], None
     try:
         for i in range(warmup + n):
@@ -121,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows[name] = asyncio.run(through_server(server.address, local, prompt, new_tokens, n, args.warmup))
         finally:
             server.stop()
+        rows["inproc"] = asyncio.run(in_process(engine, prompt, new_tokens, n, args.warmup))
 
     print(f"\ngreedy generation, batch 1, {prompt_tokens}-token prompt, {new_tokens} new tokens, {engine.info.model_name} "
           f"({engine.info.device}, {engine.info.dtype}); p50 over {n} requests per path")
@@ -129,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         same = "yes" if r["tokens"] == rows["direct"]["tokens"] else "NO"
         print(f"{name:<8}{r['transport']:>12}{statistics.median(r['first_ms']):>16.3f}{statistics.median(r['per_token_ms']):>12.3f}"
               f"{statistics.median(r['total_ms']):>12.2f}   {same}")
-    for name in ("grpc", "local"):
+    for name in ("grpc", "local", "inproc"):
         extra = statistics.median(rows[name]["per_token_ms"]) - statistics.median(rows["direct"]["per_token_ms"])
         print(f"{name} adds {extra:.3f} ms per token over direct")
     return 0 if all(r["tokens"] == rows["direct"]["tokens"] for r in rows.values()) else 1
