@@ -261,3 +261,32 @@ def test_a_server_under_closed_loop_clients_answers_each_its_own_rows(qwen3_dir)
     for k, (g, w) in enumerate(zip(got, want)):
         for j, (a, b) in enumerate(zip(g, w)):
             assert a.shape == b.shape and cosine(a, b).min() >= 0.9999, (k, j)
+
+
+def test_a_new_thread_captures_a_cublas_product_once_prepared():
+    """florist.engine.lazy_graphs.prepare_thread: a thread's first cuBLAS call made inside a capture
+    would fail (its handle is made then); prepared first, the capture holds the product."""
+    import threading
+
+    from florist.engine.lazy_graphs import prepare_thread
+
+    x = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, 96, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(128, device="cuda", dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x, w, b)
+    got = {}
+
+    def capture():
+        prepare_thread(torch.device("cuda"))
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.graph(graph, stream=stream):
+            out = torch.nn.functional.linear(x, w, b)
+        graph.replay()
+        torch.cuda.synchronize()
+        got["out"] = out.clone()
+
+    worker = threading.Thread(target=capture)
+    worker.start()
+    worker.join()
+    assert "out" in got, "the capture failed on the new thread (its error is printed above)"
+    assert torch.equal(got["out"], want)

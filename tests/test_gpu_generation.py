@@ -307,3 +307,27 @@ def test_florist_serve_at_tensor_parallel_two_gpus(lm_dir):
     assert code == 0, proc.output()[-3000:]
     assert "Traceback" not in proc.output(), proc.output()[-3000:]
     assert "warmed up" in proc.output(), proc.output()[-3000:]
+
+
+def test_a_warmed_up_engine_generates_from_another_thread(lm_dir):
+    """A server warms up on its main thread (first sights) and generates on its generation
+    thread, whose first step of a bucket met once in the warm-up is a capture: it must not be that
+    thread's first cuBLAS call (a handle made inside a capture fails and spoils the capture)."""
+    import threading
+
+    config = GenerationConfig(max_num_seqs=8, max_model_len=256)
+    prompts = prompts_for(lm_dir, (5, 17, 40), seed=3)
+    cold = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype="bf16", generation=config)
+    want = [r.token_ids for r in cold.generate(prompts, max_tokens=NEW_TOKENS)]
+    cold.close()
+    engine = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype="bf16", generation=config)
+    engine.runner.warm_up()
+    key = bucket_of(sum((5, 17, 40)), 3, 40)
+    assert key in engine.runner.runner.prefill_graphs.seen and key not in engine.runner.runner.prefill_graphs.graphs
+    got = {}
+    worker = threading.Thread(target=lambda: got.update(out=[r.token_ids for r in engine.generate(prompts, max_tokens=NEW_TOKENS)]))
+    worker.start()
+    worker.join()
+    assert got.get("out") == want, "generation on the other thread failed (its error is printed above) or differs"
+    assert key in engine.runner.runner.prefill_graphs.graphs
+    engine.close()

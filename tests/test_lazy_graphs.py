@@ -37,14 +37,18 @@ class FakeGraph:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """torch.cuda's graph primitives as stand-ins; `reserved` grows by 2 MiB per capture."""
-    state = {"reserved": 100 * MIB, "pools": []}
+    state = {"reserved": 100 * MIB, "pools": [], "capturing": False}
 
     @contextlib.contextmanager
     def graph(g, pool=None, stream=None):
         state["pools"].append(pool)
         state["streams"].append(stream)
         state["reserved"] += 2 * MIB
-        yield
+        state["capturing"] = True
+        try:
+            yield
+        finally:
+            state["capturing"] = False
 
     class FakeStream:
         def __init__(self, device=None):
@@ -180,3 +184,27 @@ def test_rent_zero_never_covers(fake_cuda):
         runner.run(HostBatch.from_sequences([np.arange(1, 121, dtype=np.int32)] * 4))
     runner.run(HostBatch.from_sequences([np.arange(1, 101, dtype=np.int32)] * 3))
     assert runner.covered_replays == 0 and runner.seen == {(512, 8, 128, False), (320, 4, 128, False)}
+
+
+def test_every_capture_prepares_its_thread_first(fake_cuda, monkeypatch):
+    """cuBLAS makes a thread's handle on its first call, which fails inside a capture: a bucket
+    first seen on one thread (a server's warm-up) and captured on another (its generation thread)
+    gets that thread's handles made before the capture begins (prepare_thread, on the GPU)."""
+    import threading
+
+    from florist.engine import lazy_graphs
+
+    prepared = []
+    monkeypatch.setattr(lazy_graphs, "prepare_thread", lambda device: prepared.append((threading.current_thread().name, device, fake_cuda["capturing"])))
+    runner = DecodeGraphRunner(lambda packed, rows, max_len: packed[:rows].long(), torch.device("cpu"), max_num_seqs=8, max_len=64)
+    runner.run(torch.arange(13, dtype=torch.int32), 4)  # first sight, on this thread
+    worker = threading.Thread(target=lambda: runner.run(torch.arange(13, dtype=torch.int32), 4), name="other")
+    worker.start()
+    worker.join()
+    assert prepared == [("other", torch.device("cpu"), False)] and set(runner.graphs) == {4}
+
+
+def test_prepare_thread_does_nothing_off_the_gpu():
+    from florist.engine.lazy_graphs import prepare_thread
+
+    prepare_thread(torch.device("cpu"))  # no CUDA call: this machine may have none

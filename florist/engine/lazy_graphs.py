@@ -12,11 +12,20 @@ for Triton to compile (on the H200 a new bucket compiled three or four kernels a
 for 0.85-1.7 s: docs/benchmarks.md, "The stall's cause"), so both are timed and logged, a first
 sight with the Triton kernels compiled meanwhile (kernels/compile_watch.py). `graph_memory_bytes`
 sums the device memory reserved while capturing (reported, not a budget).
+
+A capture must not be a thread's first call into the libraries that keep per-thread state:
+cuBLAS and cuBLASLt (and cuDNN) make a thread's handle on its first call, and making one inside a
+capture fails (CUBLAS_STATUS_NOT_INITIALIZED) and spoils the capture. Buckets first seen on one
+thread (a server's warm-up, on its main thread) are captured on another (the engine server's
+generation thread), so every capture first calls `prepare_thread`, which makes this thread's
+handles with a few tiny eager operations the first time (no model work: under tensor
+parallelism the ranks' threads must launch the same collectives, whatever their history).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Hashable, TypeVar
@@ -26,6 +35,25 @@ import torch
 from florist.kernels import compile_watch
 
 T = TypeVar("T")
+_THREAD = threading.local()  # .devices: the devices this thread's library handles were made for
+
+
+def prepare_thread(device: torch.device) -> None:
+    """Make the calling thread's cuBLAS, cuBLASLt and cuDNN handles on `device` now, outside any
+    capture (once per thread and device; nothing on other devices)."""
+    if device.type != "cuda":
+        return
+    done = _THREAD.__dict__.setdefault("devices", set())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in done:
+        return
+    with torch.cuda.device(index):
+        a = torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)
+        torch.mm(a, a)  # cuBLAS
+        torch.addmm(a[0], a, a)  # a bias epilogue: cuBLASLt
+        if torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled:
+            torch.nn.functional.conv2d(torch.ones(1, 1, 4, 4, device="cuda"), torch.ones(1, 1, 2, 2, device="cuda"))  # cuDNN
+    done.add(index)
 
 
 @dataclass
@@ -72,6 +100,7 @@ class LazyGraphs:
         """Record `forward(static_input)` into this runner's pool. Capturing only records work:
         the caller replays the graph for the step that asked for it."""
         started = time.perf_counter()
+        prepare_thread(self.device)  # this thread's library handles, not inside the capture (module docstring)
         torch.cuda.empty_cache()  # capture empties the cache anyway; measure from the same point
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
