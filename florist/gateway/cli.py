@@ -3,10 +3,12 @@
     florist serve                                   # the default model, one replica per GPU (one on CPU)
     florist serve --model DIR --port 8000 --workers 4 --api-key KEY
     florist serve --engines 10.0.0.5:50051,10.0.0.6:50051 --model DIR   # engines started elsewhere
+    florist serve --model DIR --device cuda:0 --in-process               # one process: engine inside the gateway
 
 With --workers 1 the gateway runs inside this process; with more, each worker is a process
-listening on the same port (SO_REUSEPORT: the kernel spreads connections). Ctrl-C / SIGTERM
-stops the workers first, then the engines. This module stays light: `florist --help` imports it.
+listening on the same port (SO_REUSEPORT: the kernel spreads connections). With --in-process the
+engine is loaded in this process too and the gateway calls its server's handlers directly
+(florist/server/inprocess.py). Ctrl-C / SIGTERM stops the workers first, then the engines. This module stays light: `florist --help` imports it.
 """
 
 from __future__ import annotations
