@@ -102,7 +102,8 @@ def test_engine_server_warms_up_by_default_and_only_on_a_gpu(caplog):
     for device, argv, expected in (("cuda:0", [], [("warm_up", 1000, 256)]), ("cuda:0", ["--no-warm-up"], [("step", 1)]),
                                    ("cpu", [], [("step", 1)])):
         engine = Fake(device)
-        prepare(engine, p.parse_args(["--max-batch-tokens", "1000", *argv]))
+        a = p.parse_args(["--max-batch-tokens", "1000", *argv])
+        prepare(engine, warm_up=a.warm_up, max_batch_tokens=a.max_batch_tokens, max_batch_seqs=a.max_batch_seqs)
         assert engine.calls == expected, (device, argv)
     said = [r.getMessage() for r in caplog.records if r.name == "florist.server"]
     assert len(said) == 2 and said[0].startswith("warming up: batch shapes up to 1000 tokens and 256 sequences")
@@ -111,7 +112,8 @@ def test_engine_server_warms_up_by_default_and_only_on_a_gpu(caplog):
     # A causal LM: the generation warm-up on a GPU with --warm-up; nothing otherwise (not even the small batch).
     for device, argv, expected in (("cuda:0", [], ["generator.warm_up"]), ("cuda", ["--no-warm-up"], []), ("cpu", [], [])):
         lm = Fake(device, task="generate")
-        prepare(lm, p.parse_args(argv))
+        a = p.parse_args(argv)
+        prepare(lm, warm_up=a.warm_up, max_batch_tokens=a.max_batch_tokens, max_batch_seqs=a.max_batch_seqs)
         assert lm.calls == expected, (device, argv)
     said = [r.getMessage() for r in caplog.records if r.name == "florist.server"]
     assert len(said) == 2 and said[0].startswith("warming up: a prefill of every bucket") and "up to 24 sequences" in said[0]

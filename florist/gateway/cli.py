@@ -155,7 +155,7 @@ def _serve_in_process(config: GatewayConfig, args: argparse.Namespace) -> int:
         from florist.server.cli import prepare
 
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task, attention_backend=args.attention_backend)
-        prepare(engine, argparse.Namespace(warm_up=args.warm_up, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=server_config.max_batch_seqs))
+        prepare(engine, warm_up=args.warm_up, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=server_config.max_batch_seqs)
         return engine
 
     return serve_engine_in_process(config, load_engine, server_config)

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--launch-ahead-ms must be 0 or more (inf: launch at once); got {args.launch_ahead_ms}")
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, task=args.task, attention_backend=args.attention_backend,
                                     tensor_parallel_size=tp if tp > 1 else None)
-    prepare(engine, args)
+    prepare(engine, warm_up=args.warm_up, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs)
     config = ServerConfig(
         host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,
         max_pending_tokens=args.max_pending_tokens, metrics_port=args.metrics_port, spin_ms=args.spin_ms, launch_ahead_ms=args.launch_ahead_ms,
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 run_engine_server = run
 
 
-def prepare(engine, args: argparse.Namespace) -> None:
+def prepare(engine, *, warm_up: bool, max_batch_tokens: int | None, max_batch_seqs: int) -> None:
     """Before serving: on a GPU, the warm-up (--warm-up, the default), so kernels compile and plan
     now rather than while a request of a new shape waits; else one small batch, so the first
     request does not pay for the device context and the allocator (a causal LM: nothing)."""
@@ -108,16 +108,16 @@ def prepare(engine, args: argparse.Namespace) -> None:
     from florist.server.service import batch_token_budget
 
     log = logging.getLogger("florist.server")
-    warm_up = args.warm_up and engine.info.device.startswith("cuda")
+    warm_up = warm_up and engine.info.device.startswith("cuda")
     if engine.info.task == "generate":
         if warm_up:
             _warm_up_generation(engine.runner, log)
         return
     if warm_up:
-        budget = batch_token_budget(engine, args.max_batch_tokens)
+        budget = batch_token_budget(engine, max_batch_tokens)
         log.info("warming up: batch shapes up to %d tokens and %d sequences, so that their kernels compile now "
-                 "(about 12-16 s with an empty Triton cache; --no-warm-up skips it)", budget, args.max_batch_seqs)
-        done = engine.warm_up(budget, args.max_batch_seqs)
+                 "(about 12-16 s with an empty Triton cache; --no-warm-up skips it)", budget, max_batch_seqs)
+        done = engine.warm_up(budget, max_batch_seqs)
         log.info("warmed up %d batch shapes up to %d tokens and %d sequences in %.1f s",
                                                  done["shapes"], done["max_tokens"], done["max_seqs"], done["seconds"])
     else:

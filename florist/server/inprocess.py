@@ -21,7 +21,6 @@ it dies (it is the process), and GPU work and HTTP parsing share one interpreter
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from dataclasses import replace
 from typing import AsyncIterator, Sequence
@@ -46,9 +45,13 @@ class InProcessClient:
         self.service, self.timeout = service, timeout
         self.address = ADDRESS
 
-    async def _unary(self, method: str, request, timeout: float | None):
+    def _context(self, timeout: float | None) -> tuple[float | None, HandlerContext]:
+        """(the call's timeout, the handler's context with its deadline)."""
         timeout = timeout or self.timeout
-        context = HandlerContext(None if timeout is None else time.monotonic() + timeout)
+        return timeout, HandlerContext(None if timeout is None else time.monotonic() + timeout)
+
+    async def _unary(self, method: str, request, timeout: float | None):
+        _, context = self._context(timeout)
         try:
             return await getattr(self.service, method)(request, context)
         except Aborted as e:
@@ -71,8 +74,7 @@ class InProcessClient:
                        timeout: float | None = None) -> AsyncIterator[GeneratedTokens]:
         """The Generate handler's stream; leaving the loop early closes it (the sequence's slot is freed)."""
         request = generate_request(prompt_ids, max_tokens, stop_token_ids, ignore_eos)
-        timeout = timeout or self.timeout
-        context = HandlerContext(None if timeout is None else time.monotonic() + timeout)
+        timeout, context = self._context(timeout)
         messages = self.service.Generate(request, context)
         try:
             async with asyncio.timeout(timeout):
@@ -110,11 +112,10 @@ async def start_in_process(engine, config: ServerConfig = ServerConfig()):
     between turns; the gateway's tokenizer threads share this interpreter and would wait for
     the GIL until the holder is asked to drop it, after the switch interval (5 ms by default).
     So the interval is lowered as an engine server's busy poll lowers it, and put back at stop."""
-    from florist.server.service import BUSY_POLL_SWITCH_S, start_server
+    from florist.server.service import lower_switch_interval, start_server
 
     config = replace(config, port=None, local_socket=None, busy_poll=False, busy_poll_linger_ms=0.0)
     running = await start_server(engine, config)
     if str(engine.info.device).startswith("cuda"):
-        running.switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(running.switch_interval, BUSY_POLL_SWITCH_S))
+        running.switch_interval = lower_switch_interval()  # restored at stop
     return running

@@ -252,6 +252,15 @@ def batch_token_budget(engine, max_batch_tokens: int | None) -> int:
 DEFAULT_LAUNCH_AHEAD_MS = 0.8
 
 
+def lower_switch_interval() -> float:
+    """Lower Python's switch interval to BUSY_POLL_SWITCH_S (if above) and return what it was, for
+    `RunningServer.switch_interval`: a loop that turns without blocking holds the GIL, and a thread
+    waiting for it gets it only after the interval."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous, BUSY_POLL_SWITCH_S))
+    return previous
+
+
 def launch_ahead_s(engine, config: ServerConfig) -> float:
     """The batcher's launch-ahead time in seconds: the one given, else DEFAULT_LAUNCH_AHEAD_MS on
     a GPU engine and none (launch at once) on a CPU one, whose batches run in a worker thread."""
@@ -264,6 +273,8 @@ def launch_ahead_s(engine, config: ServerConfig) -> float:
 
 async def start_server(engine, config: ServerConfig = ServerConfig()) -> RunningServer:
     """Start serving `engine` on the running event loop."""
+    if config.local_socket and config.port is None:
+        raise ValueError("a local socket is advertised through the gRPC Info call: it needs a gRPC port")
     config = replace(config, max_batch_tokens=batch_token_budget(engine, config.max_batch_tokens))
     metrics = make_metrics()
     scheduler = Scheduler(config.max_batch_tokens, config.max_batch_seqs, config.max_pending_tokens)
@@ -284,9 +295,6 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
         await server.start()
     local = None
     if config.local_socket:
-        if server is None:
-            await batcher.stop()
-            raise ValueError("a local socket is advertised through the gRPC Info call: it needs a gRPC port")
         path = config.local_socket
         if path == "auto":
             path = auto_path(port)
@@ -313,8 +321,7 @@ async def start_server(engine, config: ServerConfig = ServerConfig()) -> Running
         # thread a batch's wait is parked on) gets it only when the holder is asked to drop it,
         # after the switch interval (5 ms by default). With that default, busy poll stalled
         # requests under load for up to 2 s (docs/benchmarks.md).
-        switch_interval = sys.getswitchinterval()  # restored at stop
-        sys.setswitchinterval(min(switch_interval, BUSY_POLL_SWITCH_S))
+        switch_interval = lower_switch_interval()  # restored at stop
         # Idle: nothing queued or running (spinning while batches ran slowed the intake of bursts,
         # docs/benchmarks.md). While Generate streams are open it naps 1 ms a turn: the generation
         # thread needs the GIL every step.
