@@ -331,3 +331,39 @@ def test_a_warmed_up_engine_generates_from_another_thread(lm_dir):
     assert got.get("out") == want, "generation on the other thread failed (its error is printed above) or differs"
     assert key in engine.runner.runner.prefill_graphs.graphs
     engine.close()
+
+
+@pytest.mark.parametrize("layout", ["engine process", "in-process"])
+def test_florist_serve_generates_on_one_gpu(lm_dir, layout):
+    """`florist serve` with a causal LM on one GPU, bf16, its default warm-up on, the engine in a
+    process of its own or in the gateway's: token-id prompts sent one at a time, twice (the second
+    round meets captured graphs), get the tokens `Engine.generate` gives on the same device, and
+    none fails. The generation thread's first captures come after the warm-up's first sights on
+    the main thread: a capture that was that thread's first cuBLAS call failed every request."""
+    import openai
+    from florist_procs import serve
+
+    prompts = prompts_for(lm_dir, (1, 9, 33, 100), seed=4)
+    engine = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype="bf16")
+    want = [engine.generate(p, max_tokens=NEW_TOKENS, ignore_eos=True)[0].token_ids for p in prompts]
+    engine.close()
+    del engine
+    torch.cuda.empty_cache()
+    flags = ["--in-process"] if layout == "in-process" else []
+    proc, url = serve("--model", str(lm_dir), "--device", "cuda", "--dtype", "bf16", *flags)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        for _ in range(2):  # first sights and captures, then replays
+            got = [client.completions.create(model=lm_dir.name, prompt=p, max_tokens=NEW_TOKENS,
+                                             extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0].token_ids
+                   for p in prompts]
+            assert got == want
+        streamed = [e.choices[0].token_ids for e in client.completions.create(
+            model=lm_dir.name, prompt=prompts[2], max_tokens=NEW_TOKENS, stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True}) if e.choices and e.choices[0].token_ids]
+        assert [t for chunk in streamed for t in chunk] == want[2]
+    finally:
+        code = proc.stop()
+    assert code == 0, proc.output()[-3000:]
+    assert "Traceback" not in proc.output(), proc.output()[-3000:]
+    assert "warmed up" in proc.output(), proc.output()[-3000:]
