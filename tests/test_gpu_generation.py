@@ -316,13 +316,16 @@ def test_a_warmed_up_engine_generates_from_another_thread(lm_dir):
     import threading
 
     config = GenerationConfig(max_num_seqs=8, max_model_len=256)
-    prompts = prompts_for(lm_dir, (5, 17, 40), seed=3)
+    # One prompt of 128 tokens: a shape the warm-up prefills once (its one-prompt round), and at
+    # 128 rows the products are cuBLAS's (skinny_gemm.pick_config stops below), so the capture
+    # is where this thread would first call cuBLAS.
+    prompts = prompts_for(lm_dir, (128,), seed=3)
     cold = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype="bf16", generation=config)
     want = [r.token_ids for r in cold.generate(prompts, max_tokens=NEW_TOKENS)]
     cold.close()
     engine = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype="bf16", generation=config)
     engine.runner.warm_up()
-    key = bucket_of(sum((5, 17, 40)), 3, 40)
+    key = bucket_of(128, 1, 128)
     assert key in engine.runner.runner.prefill_graphs.seen and key not in engine.runner.runner.prefill_graphs.graphs
     got = {}
     worker = threading.Thread(target=lambda: got.update(out=[r.token_ids for r in engine.generate(prompts, max_tokens=NEW_TOKENS)]))
@@ -343,7 +346,9 @@ def test_florist_serve_generates_on_one_gpu(lm_dir, layout):
     import openai
     from florist_procs import serve
 
-    prompts = prompts_for(lm_dir, (1, 9, 33, 100), seed=4)
+    # 128 tokens first: the warm-up prefilled that shape once, so its first request is a capture
+    # on the generation thread, with cuBLAS products at 128 rows (see the test above)
+    prompts = prompts_for(lm_dir, (128, 1, 9, 33, 100), seed=4)
     engine = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype="bf16")
     want = [engine.generate(p, max_tokens=NEW_TOKENS, ignore_eos=True)[0].token_ids for p in prompts]
     engine.close()
@@ -359,9 +364,9 @@ def test_florist_serve_generates_on_one_gpu(lm_dir, layout):
                    for p in prompts]
             assert got == want
         streamed = [e.choices[0].token_ids for e in client.completions.create(
-            model=lm_dir.name, prompt=prompts[2], max_tokens=NEW_TOKENS, stream=True,
+            model=lm_dir.name, prompt=prompts[3], max_tokens=NEW_TOKENS, stream=True,
             extra_body={"return_token_ids": True, "ignore_eos": True}) if e.choices and e.choices[0].token_ids]
-        assert [t for chunk in streamed for t in chunk] == want[2]
+        assert [t for chunk in streamed for t in chunk] == want[3]
     finally:
         code = proc.stop()
     assert code == 0, proc.output()[-3000:]
