@@ -87,13 +87,16 @@ def make_bert_embedder(path: Path, *, pooling: str = "mean", normalize: bool = T
     return path
 
 
-def make_bert_cross_encoder(path: Path, *, num_labels: int = 1, seed: int = 0) -> Path:
+def make_bert_cross_encoder(path: Path, *, num_labels: int = 1, seed: int = 0, **extra) -> Path:
+    """extra: BertConfig fields (initializer_range=0.2 spreads the scores, which the default 0.02
+    keeps within ~1e-4 of each other)."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
     make_tokenizer(path, "bert")
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=vocab_size(path), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=128, num_labels=num_labels)
+    cfg = BertConfig(vocab_size=vocab_size(path), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=128, num_labels=num_labels,
+                     **extra)
     BertForSequenceClassification(cfg).eval().save_pretrained(path)
     return path
 
@@ -126,11 +129,12 @@ def make_qwen3_embedder(path: Path, *, bidirectional: bool = False, seed: int = 
     return path
 
 
-def make_qwen3_reranker(path: Path, *, tie: bool = True, seed: int = 0) -> Path:
+def make_qwen3_reranker(path: Path, *, tie: bool = True, seed: int = 0, **extra) -> Path:
+    """extra: Qwen3Config fields (as make_bert_cross_encoder's)."""
     import torch
     from transformers import Qwen3ForCausalLM
 
     make_tokenizer(path, "qwen")
     torch.manual_seed(seed)
-    Qwen3ForCausalLM(qwen3_config(path, tie_word_embeddings=tie)).eval().save_pretrained(path)
+    Qwen3ForCausalLM(qwen3_config(path, tie_word_embeddings=tie, **extra)).eval().save_pretrained(path)
     return path

@@ -38,3 +38,4 @@ def test_both_settings_run_the_stream():
     rows = re.findall(r"^\s+1\s+(\d+)\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+\d+\s+(\d+)\s+(\d+)\s+(\d+)", out.stdout, re.M)
     assert [r[0] for r in rows] == ["0", "8"], out.stdout
     assert rows[0][3] == "0" and int(rows[0][1]) > 0, out.stdout  # rent 0: first sights, never a covered replay
+    assert int(rows[1][3]) > 0, out.stdout  # rent 8: some batches replay a graph that covers them

@@ -72,14 +72,17 @@ def _case(dtype, lens, hq, hkv, d, causal, *, pad=0, max_seqlen=None, nonfinite=
     tile / warp / stage overrides, as `bench/attention.py --sweep` passes them."""
 
     def case(gen, device, big):
-        sizes = [n * 3 if big else n for n in lens]
+        # GPU-sized: three times the tokens (one-token sequences stay one token), and a bound
+        # above the longest sequence stays above it
+        sizes = [n * 3 if big and n > 1 else n for n in lens]
+        at_least = max_seqlen * 3 if big and max_seqlen else max_seqlen
         t = sum(sizes) + pad
         q, k, v = _qkv(gen, t, hq, hkv, d, dtype, device, scale)
         if nonfinite:  # the padding holds garbage: real rows must not see it
             for x in (q, k, v):
                 x[t - pad :, :, 0], x[t - 1, :, -1] = float("nan"), float("inf")
         cu = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
-        bound = max(max_seqlen or 0, max(sizes))
+        bound = max(at_least or 0, max(sizes))
         out = _run_poisoned(lambda: short.short_attention_triton(q, k, v, cu, bound, causal, d**-0.5, **(launch or {})))
         ref = short.short_attention_ref(q, k, v, cu, causal, d**-0.5)
         assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
