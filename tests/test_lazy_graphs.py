@@ -40,9 +40,10 @@ def fake_cuda(monkeypatch):
     state = {"reserved": 100 * MIB, "pools": [], "capturing": False}
 
     @contextlib.contextmanager
-    def graph(g, pool=None, stream=None):
+    def graph(g, pool=None, stream=None, capture_error_mode="global"):
         state["pools"].append(pool)
         state["streams"].append(stream)
+        state["modes"].append(capture_error_mode)
         state["reserved"] += 2 * MIB
         state["capturing"] = True
         try:
@@ -54,7 +55,7 @@ def fake_cuda(monkeypatch):
         def __init__(self, device=None):
             self.device = device
 
-    state["streams"] = []
+    state["streams"], state["modes"] = [], []
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "graph", graph)
@@ -202,6 +203,16 @@ def test_every_capture_prepares_its_thread_first(fake_cuda, monkeypatch):
     worker.start()
     worker.join()
     assert prepared == [("other", torch.device("cpu"), False)] and set(runner.graphs) == {4}
+
+
+def test_captures_leave_other_threads_free(fake_cuda):
+    """A server's worker thread may wait on a batch's event while the loop captures: torch's
+    default ("global") capture mode would fail the capture for it, so captures are thread-local
+    (lazy_graphs' docstring; tests/test_gpu.py runs the overlap on a GPU)."""
+    runner = DecodeGraphRunner(lambda packed, rows, max_len: packed[:rows].long(), torch.device("cpu"), max_num_seqs=8, max_len=64)
+    for _ in range(3):  # first sight, capture, replay
+        runner.run(torch.arange(13, dtype=torch.int32), 4)
+    assert fake_cuda["modes"] == ["thread_local"]
 
 
 def test_prepare_thread_does_nothing_off_the_gpu():

@@ -20,6 +20,14 @@ thread (a server's warm-up, on its main thread) are captured on another (the eng
 generation thread), so every capture first calls `prepare_thread`, which makes this thread's
 handles with a few tiny eager operations the first time (no model work: under tensor
 parallelism the ranks' threads must launch the same collectives, whatever their history).
+
+Other threads keep working while one captures: a server's worker thread waits on a parked
+batch's event (`LazyTensor.wait()`, server/batcher.py) and may begin that wait after the capture
+began. torch's default capture mode ("global") forbids such calls in every thread of the process
+and spoils the capture when one happens (measured on the H200: a thread querying an event during
+a capture failed it, tests/test_gpu.py). Captures here use "thread_local": only the capturing
+thread is held to capture-safe calls; the others' event waits and queries touch other streams'
+work, not the captured stream's.
 """
 
 from __future__ import annotations
@@ -110,7 +118,7 @@ class LazyGraphs:
         # work runs outside it) and every replay returns a stale output.
         if self.capture_stream is None:
             self.capture_stream = torch.cuda.Stream(self.device)
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):  # module docstring
             output = forward(static_input)
         self.pool = graph.pool()
         self.graph_memory_bytes += torch.cuda.memory_reserved(self.device) - before
