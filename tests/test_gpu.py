@@ -168,7 +168,7 @@ def test_step_returns_before_the_gpu_is_done(qwen3_dir):
     host = HostBatch.from_sequences([np.arange(5, 60, dtype=np.int32)] * 4)
     for _ in range(3):  # eager, capture, replay: a capture synchronises the device, so it comes first
         engine.step(host).numpy()
-    ring = engine.runner.staging.ring
+    ring = engine.runner.graphs.staging.ring
     stall_gpu(0.5)
     started = time.perf_counter()
     lazies = [engine.step(host) for _ in range(ring)]
