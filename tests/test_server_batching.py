@@ -107,6 +107,26 @@ def test_a_failing_batch_fails_its_requests_only():
     np.testing.assert_array_equal(ok2, expected_rows([[4, 5, 6]]))
 
 
+def test_a_failing_batch_among_others_fails_only_its_own():
+    """The test above sends its requests through the server, where each arrives alone; here the
+    three one-sequence batches are in the batcher together (the first held in flight by the
+    gate, the third queued behind the failing one), and only the failing one's request fails."""
+    device = RecordingDevice()
+    device.gate.clear()
+
+    async def body(batcher):
+        futures = [submit(batcher, s) for s in ([[1, 2]], [[POISON, 3]], [[4, 5, 6]])]
+        await asyncio.sleep(0.05)
+        assert len(device.batches) >= 2  # the first is in flight, the second has failed its launch
+        device.gate.set()
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    ok1, bad, ok2 = run_batcher(device, body, max_batch_seqs=1)
+    assert isinstance(bad, RuntimeError) and "simulated device fault" in str(bad), bad
+    np.testing.assert_array_equal(ok1, expected_rows([[1, 2]]))
+    np.testing.assert_array_equal(ok2, expected_rows([[4, 5, 6]]))
+
+
 def test_server_runs_without_prometheus_client():
     code = f"""
 import sys, asyncio
@@ -360,7 +380,7 @@ def test_a_queue_that_fills_a_batch_is_launched_at_once():
         assert len(batcher.in_flight) == 2, "a full batch waits for nothing"
         return await asyncio.gather(first, *rest)
 
-    run_batcher(device, body, max_batch_seqs=2, launch_ahead_s=10.0)
+    run_batcher(device, body, max_batch_seqs=2, launch_ahead_s=0.1)
     assert device.batches == [[1, 1], [2, 2], [3, 3, 4, 4]]
 
 
