@@ -18,7 +18,7 @@ from florist.engine.output import finalize_scores
 from florist.server import local, proto
 from florist.server.client import InferenceClient, _loopback
 from florist.server.service import ServerConfig, ServerThread
-from test_server import TOL, embed_or_error, random_request, run, tokens
+from test_server import TOL, embed_or_error, local_only, random_request, run, tokens
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,6 +48,7 @@ def test_64_concurrent_clients_over_the_socket_get_the_embedded_api_output(local
 
     async def go():
         async with InferenceClient(local_server.address, timeout=120) as shared, InferenceClient(local_server.address, local=False) as grpc_only:
+            local_only(shared)
             got = await asyncio.gather(*(shared.embed(s, **o) for s, o in zip(requests, opts)))  # multiplexed on one connection
             via_grpc = await grpc_only.embed(requests[3], **opts[3])
             return got, via_grpc, shared.transport, grpc_only.transport
@@ -74,6 +75,7 @@ def test_scores_over_the_socket_match_the_embedded_api(cross_encoder_dir, socket
 
         async def go():
             async with InferenceClient(srv.address) as client:
+                local_only(client)
                 return await client.score(pairs, first), await client.score(pairs, first, raw=True), client.transport
 
         scores, raw, transport = run(go())
@@ -89,6 +91,8 @@ def test_errors_carry_grpc_status_codes_and_messages(local_server, default_engin
         out = []
         for use_local in (True, False):
             async with InferenceClient(local_server.address, local=use_local) as client:
+                if use_local:
+                    local_only(client)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await client.embed(seqs_or_packed)
                 out.append((err.value.code(), err.value.details(), client.transport))
@@ -108,6 +112,7 @@ def test_overload_is_resource_exhausted_over_the_socket(default_engine, socket_d
 
         async def go():
             async with InferenceClient(srv.address, timeout=120) as client:
+                local_only(client)
                 results = await asyncio.gather(*(embed_or_error(client, s) for s in burst))
                 return results, client.transport
 
