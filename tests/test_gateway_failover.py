@@ -13,7 +13,7 @@ import time
 import aiohttp
 import numpy as np
 from florist_procs import engine_servers, serve
-from test_gateway import TOL, call, error_message
+from test_gateway import TOL, call
 
 WORDS = ["rose", "tulip", "seed", "soil", "water", "sun", "rain", "green", "garden", "search", "engine", "model", "text"]
 
@@ -53,11 +53,9 @@ def test_killing_a_replica_mid_load_loses_no_request(default_engine):
         for _, texts, status, body in ok:
             got = np.array([d["embedding"] for d in body["data"]])
             np.testing.assert_allclose(got, np.stack([want[t] for t in texts]), **TOL)
-        for _, _, status, body in failed:
-            assert status >= 500 and error_message(body), (status, body)
         after = [r for r in ok if r[0] > killed + 0.2]
         print(f"{len(results)} requests, {len(ok)} answered 200, {len(after)} of them sent after the kill; failures: {[f[2] for f in failed]}")
-        assert len(ok) > 0.9 * len(results) and len(after) >= 10, (len(ok), len(results), len(after), [f[2:] for f in failed[:3]])
+        assert not failed and len(after) >= 10, (len(ok), len(results), len(after), [f[2:] for f in failed[:3]])  # a chunk cut by the kill is sent again
 
         metrics = call(url, "/info")[2]["replicas"]
         assert metrics == {"total": 2, "healthy": 1}
