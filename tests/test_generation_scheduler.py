@@ -73,8 +73,12 @@ def test_random_traffic_keeps_every_invariant(seed):
             assert x.status == FINISHED and x.slot is None
             if x.finish_reason == "stop":
                 assert x.output[-1] in x.stop_token_ids and not set(x.output[:-1]) & x.stop_token_ids
-            else:
-                assert x.finish_reason == "length" and len(x.output) == x.max_tokens
+            else:  # a length finish never saw one of its stop ids
+                assert x.finish_reason == "length" and len(x.output) == x.max_tokens and not set(x.output) & x.stop_token_ids
+        ended = {id(x) for x in done}
+        for x in step.seqs:
+            if id(x) not in ended:  # still running: its last token was no stop id
+                assert x.output[-1] not in x.stop_token_ids
         finished += done
         check_invariants(s)
     while (step := s.schedule()) is not None:  # drain
