@@ -9,6 +9,7 @@ import asyncio
 import os
 import socket
 import struct
+import time
 
 import grpc
 import numpy as np
@@ -408,7 +409,10 @@ def test_an_asyncio_call_polls_only_while_it_is_alone(tmp_path, monkeypatch):
     async def go():
         await channel.connect()
         monkeypatch.setattr(local.asyncio, "sleep", counting_sleep)
+        started = time.perf_counter()
         alone = await channel.call("Health", proto.HealthRequest(), timeout=10)
+        lone_s = time.perf_counter() - started
+        assert lone_s < 0.5, lone_s  # back when the 20 ms reply lands, not after the 1 s window
         lone_turns = len(turns)
         together = await asyncio.gather(*(channel.call("Health", proto.HealthRequest(), timeout=10) for _ in range(2)))
         await channel.close()
