@@ -30,13 +30,15 @@ def expected_rows(seqs) -> np.ndarray:
 
 
 class SimulatedLazy:
-    def __init__(self, rows: np.ndarray, ready_at: float):
-        self.rows, self.ready_at = rows, ready_at
+    def __init__(self, rows: np.ndarray, ready_at: float, waits: list | None = None):
+        self.rows, self.ready_at, self.waits = rows, ready_at, waits
 
     def ready(self) -> bool:
         return time.perf_counter() >= self.ready_at
 
     def wait(self):
+        if self.waits is not None:  # who waited: the batcher's worker thread when it parked the batch
+            self.waits.append(threading.current_thread().name)
         while not self.ready():
             time.sleep(0.0002)
         return self.rows
@@ -58,6 +60,7 @@ class SimulatedDevice:
         self.busy_until = 0.0
         self.finishes: list[float] = []
         self.max_queued = 0  # most batches on the device (running or waiting) right after a launch
+        self.waits: list[str] = []  # the thread of each wait() on a result (SimulatedLazy)
 
     def step(self, batch):
         now = time.perf_counter()
@@ -67,7 +70,7 @@ class SimulatedDevice:
         self.busy_until = max(now, self.busy_until) + self.base_s + self.per_token_s * batch.num_tokens
         self.finishes.append(self.busy_until)
         seqs = np.split(batch.input_ids, np.cumsum(batch.seq_lens)[:-1])
-        return SimulatedLazy(expected_rows([s.tolist() for s in seqs]), self.busy_until)
+        return SimulatedLazy(expected_rows([s.tolist() for s in seqs]), self.busy_until, self.waits)
 
 
 def random_requests(rng, n: int) -> list[list[list[int]]]:
@@ -90,6 +93,11 @@ def test_device_path_returns_each_request_its_rows_with_two_batches_in_flight(sp
     for got, seqs in zip(results, requests):
         np.testing.assert_array_equal(got, expected_rows(seqs))
     assert device.max_queued == 2, "batch N+1 should be launched while batch N runs, and no more"
+    parked = device.waits.count("florist-engine")  # waits the loop handed to its worker thread
+    if spin_ms == 1000.0:
+        assert parked == 0, "poll-only: no batch is parked"
+    else:  # full batches take ~0.7 ms of simulated time, more than either window
+        assert parked > 0, f"{spin_ms} ms spin: long batches are parked"
 
 
 def test_a_failing_batch_fails_its_requests_only():
