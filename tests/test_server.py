@@ -53,10 +53,13 @@ def embed_server(default_engine):
 
 
 @pytest.fixture(scope="module")
-def cross_encoder(cross_encoder_dir):
+def cross_encoder(tmp_path_factory):
+    """A cross-encoder whose scores spread (initializer_range 0.2); the conftest one's stay within
+    ~3e-4 of 0.5, close to TOL, so rows handed to the wrong request could pass."""
     import florist
+    import models as tiny
 
-    return florist.Engine.from_pretrained(cross_encoder_dir, device="cpu")
+    return florist.Engine.from_pretrained(tiny.make_bert_cross_encoder(tmp_path_factory.mktemp("cross-encoder-spread"), initializer_range=0.2), device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +124,7 @@ def test_64_concurrent_clients_score_like_the_embedded_api(score_server, cross_e
         ids, first = engine.text.encode_pairs(query, docs, truncate=True)
         cases.append(([x.tolist() for x in ids], first, k % 3 == 0))
     expected = [finalize_scores(engine.run([np.asarray(x) for x in ids], first), engine.info.score_activation, raw=raw) for ids, first, raw in cases]
+    assert np.ptp(np.concatenate([e for e, (_, _, raw) in zip(expected, cases) if not raw])) > 0.1  # scores a mix-up would change
     # The embedded API agrees with that (the text path) for one case.
     np.testing.assert_allclose(engine.score("rose garden", ["red rose", "blue water"]),
                                finalize_scores(engine.run(*engine.text.encode_pairs("rose garden", ["red rose", "blue water"])), engine.info.score_activation), **TOL)
