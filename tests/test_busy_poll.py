@@ -71,9 +71,14 @@ def test_without_a_linger_the_loop_turns_while_idle_however_long():
         await asyncio.sleep(0.2)
         a = sample()
         await asyncio.sleep(0.05)
-        return [a, sample() - a]
-    first, later = turns_of(math.inf, script)
-    assert first > 0 and later > 0
+        later = sample() - a
+        idle.clear()                     # busy: no turns, however long the linger
+        await asyncio.sleep(0.01)
+        b = sample()
+        await asyncio.sleep(0.05)
+        return [a, later, sample() - b]
+    first, later, busy = turns_of(math.inf, script)
+    assert first > 0 and later > 0 and busy == 0
 
 
 def test_engine_server_refuses_a_negative_linger(capsys):

@@ -78,6 +78,7 @@ def test_open_streams_are_counted_for_busy_poll(lm_engine):
     want = lm_engine.generate([prompt], max_tokens=12)[0].token_ids
     with ServerThread(lm_engine, ServerConfig(port=0, busy_poll=True)) as srv:
         generation = srv.running.service.generation
+        assert srv.running.busy_poll is not None and not srv.running.busy_poll.done()  # the poll runs
 
         async def whole():
             async with InferenceClient(srv.address) as client:
@@ -111,10 +112,12 @@ def test_stop_ids_end_the_stream(lm_server, lm_engine, transport):
 
 
 @pytest.mark.parametrize("transport, how", [("grpc", "break"), ("local", "break"), ("local", "close")])
-def test_a_cancelled_stream_frees_its_slot(lm_server, lm_engine, transport, how):
+def test_a_cancelled_stream_frees_its_slot(lm_server, lm_engine, transport, how, monkeypatch):
     """Leaving the loop cancels the call; so does closing the local client under the stream (its
     connection closes: the server cancels the connection's calls)."""
     gen = lm_engine.runner
+    seqs, submit = [], gen.submit
+    monkeypatch.setattr(gen, "submit", lambda *a, **k: seqs.append(submit(*a, **k)) or seqs[-1])
     prompt = prompts_for(lm_engine.model_dir.path, (5,), seed=7)[0]
 
     async def main():
@@ -136,11 +139,15 @@ def test_a_cancelled_stream_frees_its_slot(lm_server, lm_engine, transport, how)
     while gen.has_work and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not gen.has_work and gen.scheduler.free_slots == gen.scheduler.num_slots
+    assert [s.finish_reason for s in seqs] == ["abort"]
 
 
 @TRANSPORTS
-def test_a_deadline_ends_a_stream(lm_server, lm_engine, transport):
+def test_a_deadline_ends_a_stream(lm_server, lm_engine, transport, monkeypatch):
     gen = lm_engine.runner
+    seqs, submit, step = [], gen.submit, gen.step
+    monkeypatch.setattr(gen, "submit", lambda *a, **k: seqs.append(submit(*a, **k)) or seqs[-1])
+    monkeypatch.setattr(gen, "step", lambda: (time.sleep(0.002), step())[1])  # 120 tokens take >= 0.24 s: the 50 ms deadline ends the stream first
     prompt = prompts_for(lm_engine.model_dir.path, (5,), seed=9)[0]
 
     async def main():
@@ -156,6 +163,7 @@ def test_a_deadline_ends_a_stream(lm_server, lm_engine, transport):
     while gen.has_work and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not gen.has_work and gen.scheduler.free_slots == gen.scheduler.num_slots
+    assert [s.finish_reason for s in seqs] == ["abort"]
 
 
 @pytest.mark.parametrize("request_kw, message", [

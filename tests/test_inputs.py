@@ -225,11 +225,15 @@ def test_long_texts_in_pieces_get_the_ids_of_one_call(default_engine, tmp_path, 
     rng = np.random.default_rng(5)
     words = [w for w in Tokenizer_vocab(processor) if w.isalpha()]
     texts = _messy_texts(rng, words, 40) + ["x" * 300, "a " * 200, " " * 100 + "b"]
+    import florist.text as text_mod
+    cut, counts = text_mod.cut_at_spaces, []
+    monkeypatch.setattr(text_mod, "cut_at_spaces", lambda t, *a, **k: counts.append(len(r := cut(t, *a, **k))) or r)
     for kwargs in (dict(truncate=True), dict(truncate=True, direction="left"), dict(truncate=True, prompt="query: ")):
         whole = processor.encode(texts, split=False, **kwargs)
         pieces = processor.encode(texts, **kwargs)
         for k, (a, b) in enumerate(zip(whole, pieces)):
             assert a.tolist() == b.tolist(), (kind, kwargs, k, texts[k][:80])
+    assert any(n > 1 for n in counts), "no text was cut in pieces"
     short = [t for t, ids in zip(texts, processor.encode(texts, truncate=True, split=False)) if len(ids) < processor.max_tokens]
     assert [a.tolist() for a in processor.encode(short)] == [a.tolist() for a in processor.encode(short, split=False)]
     with pytest.raises(InputError, match="pass truncate=true"):

@@ -158,9 +158,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def cancel(self, data):
         req = data.draw(st.sampled_from(self.requests))
-        was_live = req.live
+        was_live, before = req.live, req.state
         self.s.cancel(req)
-        assert req.state == (CANCELLED if was_live else req.state)
+        assert req.state == (CANCELLED if was_live else before)
 
     @rule(dt=st.floats(0, 8))
     def tick(self, dt):
