@@ -73,7 +73,8 @@ def test_cross_encoder(cross_encoder_dir):
     docs = TEXTS[:20]
     ref = CrossEncoder(str(cross_encoder_dir), device="cpu").predict([("which flower needs sun", d) for d in docs])
     ours = florist.Engine.from_pretrained(cross_encoder_dir, device="cpu").score("which flower needs sun", docs)
-    np.testing.assert_allclose(ours, ref, atol=1e-4)
+    # This model's scores lie within ~1e-4 of each other (tests/models.py), so 1e-4 would pass any pairing.
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-6)
 
 
 def test_qwen3_embedder_causal_last_token(qwen3_dir):
@@ -124,11 +125,23 @@ def test_qwen3_reranker(reranker_dir):
 
     engine = florist.Engine.from_pretrained(reranker_dir, device="cpu", task="score")
     docs = TEXTS[:10]
-    ids, _ = engine.text.encode_pairs("which flower needs sun", docs, truncate=True)
+    # The input as Qwen3-Reranker's model card builds it (not the engine's own template code).
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(reranker_dir / "tokenizer.json"))
+    prefix = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct provided. "
+              'Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n')
+    suffix = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    instruction = "Given a web search query, retrieve relevant passages that answer the query"
+    head, tail = tok.encode(prefix, add_special_tokens=False).ids, tok.encode(suffix, add_special_tokens=False).ids
+    budget = engine.text.max_tokens - len(head) - len(tail)  # truncate=True cuts the body only
+    ids = [head + tok.encode(f"<Instruct>: {instruction}\n<Query>: which flower needs sun\n<Document>: {d}", add_special_tokens=False).ids[:budget] + tail
+           for d in docs]
+    assert [x.tolist() for x in engine.text.encode_pairs("which flower needs sun", docs, truncate=True)[0]] == ids
     model = Qwen3ForCausalLM.from_pretrained(reranker_dir).eval()
     yes, no = engine.model_dir.pipeline.reranker_token_ids
     with torch.no_grad():
-        logits = [model(input_ids=torch.tensor(x[None], dtype=torch.long)).logits[0, -1] for x in ids]
+        logits = [model(input_ids=torch.tensor([x], dtype=torch.long)).logits[0, -1] for x in ids]
     ref = np.array([torch.sigmoid(lg[yes] - lg[no]).item() for lg in logits])
     np.testing.assert_allclose(engine.score("which flower needs sun", docs, truncate=True), ref, atol=1e-4)
 

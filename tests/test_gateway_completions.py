@@ -116,6 +116,10 @@ def test_stop_token_ids_and_stop_strings(client, lm_engine):
     assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
     _, choices = _streamed(client, TEXTS[0], max_tokens=40, stop=stop)
     assert choices[0][1:] == (cut, "stop")
+    # Without return_token_ids: a stop string at the very start leaves no text at all, and the
+    # finish_reason still comes, in an event of its own.
+    events = list(client.completions.create(model="lm", prompt=TEXTS[0], max_tokens=40, stop=full.text[:3], stream=True))
+    assert [(c.index, c.text, c.finish_reason) for e in events for c in e.choices] == [(0, "", "stop")]
 
 
 @pytest.mark.parametrize("option", [
@@ -251,10 +255,15 @@ def test_stop_strings_split_over_chunks_are_held_back(lm_dir):
         deltas = [text.push(GeneratedTokens([t], "length" if k == len(ids) - 1 else None)) for k, t in enumerate(ids) if not text.finished]
         assert "".join(deltas) == text.text == want
         assert text.finish_reason == ("length" if want == full else "stop")
+        if want == full:  # text that cannot begin a stop string is not held: "the" goes out with its token
+            assert deltas[0] == tok.decode(ids[:1]) == "the"
     # A final stop token (EOS or a stop id) leaves no text.
     text = CompletionText(IncrementalDetokenizer(tok))
     assert text.push(GeneratedTokens(ids[:2])) + text.push(GeneratedTokens([ids[2], tok.token_to_id("<|endoftext|>")], "stop")) == tok.decode(ids[:3])
     assert text.token_ids == ids[:3] + [tok.token_to_id("<|endoftext|>")]
+    text = CompletionText(IncrementalDetokenizer(tok))  # a stop id that is an ordinary token
+    assert text.push(GeneratedTokens(ids[:2])) + text.push(GeneratedTokens([ids[2], ids[3]], "stop")) == tok.decode(ids[:3])
+    assert text.token_ids == ids[:4] and text.text == tok.decode(ids[:3])
 
 
 class _RpcError(grpc.aio.AioRpcError):

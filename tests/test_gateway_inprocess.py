@@ -75,8 +75,14 @@ def test_small_and_large_requests_with_either_json(default_engine, monkeypatch, 
     small, large = ["a rose in the garden"], ["rose " * 60, "tulips need sun " * 50]  # 20 and 1100 characters
     ids = default_engine.tokenize(small)[0]
     with ServerThread(default_engine) as srv, gateway(srv, inline_tokenize_chars=1024) as gw:
+        processor, threads = gw.running.pipeline.tokenization.processor, []
+        encode = processor.encode
+        monkeypatch.setattr(processor, "encode", lambda *a, **kw: threads.append(threading.current_thread().name) or encode(*a, **kw))
         for inputs, want in ((small[0], default_engine.embed(small)), (large, default_engine.embed(large)), ([ids], default_engine.embed(small))):
+            threads.clear()
             status, headers, body = call(gw.url, "/v1/embeddings", {"input": inputs})
+            on_pool = [t.startswith("florist-tokenize") for t in threads]
+            assert on_pool == [inputs is large], threads  # 20 characters on the loop, 1,100 on the pool
             assert status == 200 and headers["Content-Type"] == "application/json", body
             assert [d["index"] for d in body["data"]] == list(range(len(want))) and set(body) == {"object", "data", "model", "usage"}
             np.testing.assert_allclose([d["embedding"] for d in body["data"]], want, **TOL)

@@ -238,6 +238,37 @@ def test_incremental_detokenizer_deltas_add_up(tied_dir):
             i += n
         pieces.append(detok.finish())
         assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    # Byte-level BPE (Qwen's real tokenizers): a character spans tokens, so a delta that would end
+    # inside one is held back and finish() flushes what is left.
+    from tokenizers import decoders, models
+
+    alphabet = sorted(pre_tokenizers_alphabet())
+    byte_tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    byte_tok.decoder = decoders.ByteLevel()
+    text = "naïve café — 你好 🌷 rose"
+    ids = [alphabet.index(c) for c in _byte_level(text)]
+    for n in (1, 2, 3):
+        detok = IncrementalDetokenizer(byte_tok)
+        pieces = [detok.push(ids[i : i + n]) for i in range(0, len(ids), n)]
+        assert "\ufffd" not in "".join(pieces) and "".join(pieces) + detok.finish() == text
+    detok = IncrementalDetokenizer(byte_tok)
+    assert [detok.push([alphabet.index(c)]) for c in _byte_level("🌷")] == ["", "", "", "🌷"]
+    cut = [alphabet.index(c) for c in _byte_level("rose 🌷")][:-2]  # ends inside the flower
+    detok = IncrementalDetokenizer(byte_tok)
+    assert detok.push(cut) == "" and detok.finish() == byte_tok.decode(cut) == "rose \ufffd"
+
+
+def pre_tokenizers_alphabet():
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.ByteLevel.alphabet()
+
+
+def _byte_level(text: str) -> list[str]:
+    """The byte-level symbols of text's UTF-8 bytes (GPT-2's byte-to-unicode map)."""
+    from tokenizers import pre_tokenizers
+
+    return list("".join(piece for piece, _ in pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(text)))
 
 
 def test_decode_runs_the_fused_layers_where_they_apply(tied_dir, monkeypatch):
