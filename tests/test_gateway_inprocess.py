@@ -161,6 +161,16 @@ def test_busy_poll_spins_only_while_idle_and_polls_for_lone_replies(default_engi
                 assert status == 200, body
                 np.testing.assert_allclose([d["embedding"] for d in body["data"]], want, **TOL)
             assert replica.client.transport == "local" and replica.client._local.spin_s == pytest.approx(0.003)
+            local, polled = replica.client._local, []
+            poll = local._poll
+
+            async def counted(future):
+                polled.append(future)
+                return await poll(future)
+
+            local._poll = counted  # the lone request's reply is polled for, not slept on
+            assert call(gw.url, "/v1/embeddings", {"input": texts})[0] == 200 and polled
+            del local._poll
             assert pipeline.in_flight == 0 and pipeline.idle.is_set()
             spin_if = replica.client._local.spin_if  # polls only for the request that is alone in the gateway
             seen = []
