@@ -30,6 +30,20 @@ def cross_encoder_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def spread_cross_encoder_dir(tmp_path_factory):
+    """cross_encoder_dir's model with larger initial weights: its scores span ~0.3-0.8 on the
+    test texts (the default initializer_range keeps them within ~3e-4 of 0.5, under most
+    tolerances, so a mixed-up or constant score would pass)."""
+    return tiny.make_bert_cross_encoder(tmp_path_factory.mktemp("cross-encoder-spread"), initializer_range=0.2)
+
+
+@pytest.fixture(scope="session")
+def spread_reranker_dir(tmp_path_factory):
+    """Likewise for reranker_dir: scores span ~0.10-0.31 (0.45-0.48 with the default)."""
+    return tiny.make_qwen3_reranker(tmp_path_factory.mktemp("qwen3-reranker-spread"), initializer_range=0.1)
+
+
+@pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory):
     return tiny.make_qwen3_embedder(tmp_path_factory.mktemp("qwen3-embedding"))
 

@@ -111,13 +111,24 @@ def test_stop_ids_end_the_stream(lm_server, lm_engine, transport):
     assert tokens == full[: k + 1] and chunks[-1].finish_reason == "stop"
 
 
+def record_submits(gen, monkeypatch) -> list:
+    """The sequences the server submits to `gen` from now on (to read their finish reasons)."""
+    seqs, submit = [], gen.submit
+
+    def recording(*a, **kw):
+        seqs.append(submit(*a, **kw))
+        return seqs[-1]
+
+    monkeypatch.setattr(gen, "submit", recording)
+    return seqs
+
+
 @pytest.mark.parametrize("transport, how", [("grpc", "break"), ("local", "break"), ("local", "close")])
 def test_a_cancelled_stream_frees_its_slot(lm_server, lm_engine, transport, how, monkeypatch):
     """Leaving the loop cancels the call; so does closing the local client under the stream (its
     connection closes: the server cancels the connection's calls)."""
     gen = lm_engine.runner
-    seqs, submit = [], gen.submit
-    monkeypatch.setattr(gen, "submit", lambda *a, **k: seqs.append(submit(*a, **k)) or seqs[-1])
+    seqs = record_submits(gen, monkeypatch)
     prompt = prompts_for(lm_engine.model_dir.path, (5,), seed=7)[0]
 
     async def main():
@@ -145,8 +156,7 @@ def test_a_cancelled_stream_frees_its_slot(lm_server, lm_engine, transport, how,
 @TRANSPORTS
 def test_a_deadline_ends_a_stream(lm_server, lm_engine, transport, monkeypatch):
     gen = lm_engine.runner
-    seqs, submit, step = [], gen.submit, gen.step
-    monkeypatch.setattr(gen, "submit", lambda *a, **k: seqs.append(submit(*a, **k)) or seqs[-1])
+    seqs, step = record_submits(gen, monkeypatch), gen.step
     monkeypatch.setattr(gen, "step", lambda: (time.sleep(0.002), step())[1])  # 120 tokens take >= 0.24 s: the 50 ms deadline ends the stream first
     prompt = prompts_for(lm_engine.model_dir.path, (5,), seed=9)[0]
 

@@ -240,9 +240,9 @@ def test_incremental_detokenizer_deltas_add_up(tied_dir):
         assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
     # Byte-level BPE (Qwen's real tokenizers): a character spans tokens, so a delta that would end
     # inside one is held back and finish() flushes what is left.
-    from tokenizers import decoders, models
+    from tokenizers import decoders, models, pre_tokenizers
 
-    alphabet = sorted(pre_tokenizers_alphabet())
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     byte_tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
     byte_tok.decoder = decoders.ByteLevel()
     text = "naïve café — 你好 🌷 rose"
@@ -256,12 +256,6 @@ def test_incremental_detokenizer_deltas_add_up(tied_dir):
     cut = [alphabet.index(c) for c in _byte_level("rose 🌷")][:-2]  # ends inside the flower
     detok = IncrementalDetokenizer(byte_tok)
     assert detok.push(cut) == "" and detok.finish() == byte_tok.decode(cut) == "rose \ufffd"
-
-
-def pre_tokenizers_alphabet():
-    from tokenizers import pre_tokenizers
-
-    return pre_tokenizers.ByteLevel.alphabet()
 
 
 def _byte_level(text: str) -> list[str]:

@@ -33,23 +33,6 @@ def test_bf16_embeddings_match_fp32_reference(request, fixture):
         assert cos >= 0.999
 
 
-@pytest.fixture(scope="module")
-def spread_cross_encoder_dir(tmp_path_factory):
-    """The conftest fixture's model with larger initial weights: its scores span 0.34-0.83 on
-    these documents (the default initializer_range keeps them within 3e-4, under any tolerance)."""
-    import models as tiny
-
-    return tiny.make_bert_cross_encoder(tmp_path_factory.mktemp("cross-encoder-spread"), initializer_range=0.2)
-
-
-@pytest.fixture(scope="module")
-def spread_reranker_dir(tmp_path_factory):
-    """Likewise for the reranker: scores span 0.10-0.31 (0.45-0.48 with the default)."""
-    import models as tiny
-
-    return tiny.make_qwen3_reranker(tmp_path_factory.mktemp("qwen3-reranker-spread"), initializer_range=0.1)
-
-
 SCORE_ATOL = 2e-2
 
 

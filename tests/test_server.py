@@ -53,13 +53,11 @@ def embed_server(default_engine):
 
 
 @pytest.fixture(scope="module")
-def cross_encoder(tmp_path_factory):
-    """A cross-encoder whose scores spread (initializer_range 0.2); the conftest one's stay within
-    ~3e-4 of 0.5, close to TOL, so rows handed to the wrong request could pass."""
+def cross_encoder(spread_cross_encoder_dir):
+    """Scores that spread (conftest): rows handed to the wrong request show."""
     import florist
-    import models as tiny
 
-    return florist.Engine.from_pretrained(tiny.make_bert_cross_encoder(tmp_path_factory.mktemp("cross-encoder-spread"), initializer_range=0.2), device="cpu")
+    return florist.Engine.from_pretrained(spread_cross_encoder_dir, device="cpu")
 
 
 @pytest.fixture(scope="module")
