@@ -297,6 +297,43 @@ def _skinny_gemm_deferred(dtype, m, n, k, *, bias=False, config=None):
     return case
 
 
+def _tma_gemm(dtype, m, n, k, config=None, *, silu_mul=False, deferred=False, nonfinite=False, strided=False):
+    """The Hopper form (operands by TMA) against F.linear on fp32 copies (SwiGLU: rounded as
+    cuBLAS + silu_and_mul round it); split-K partials, deferred, sum to the product its own
+    reduction gives and normalise to the same bits. `config` None: `pick_tma`'s choice."""
+    def case(g: Inputs, big: bool):
+        # strided: rows 32 elements apart from their neighbours' ends, a TMA-aligned start
+        x = g.randn(m, k + 32, dtype=dtype)[:, 16 : 16 + k] if strided else g.randn(m, k, dtype=dtype)
+        w = g.randn(n, k, dtype=dtype, scale=0.5)
+        if nonfinite:
+            x[0, 3], x[m - 1, 5] = float("nan"), float("inf")
+        cfg = config or skinny_gemm.pick_tma(m, n, k, silu_mul, deferred)
+        assert cfg is not None and cfg.tma, f"pick_tma has nothing for {m} x {n} x {k}: not a case for the kernel"
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+        product = F.linear(x.float(), w.float())
+        if silu_mul:
+            got = skinny_gemm.tma_gemm(x, w, True, cfg)
+            want = activation.silu_and_mul_ref(product.to(dtype))
+            torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=4 * ulp, atol=ulp * k**0.5, equal_nan=True)
+        elif cfg.split_k > 1:
+            p = skinny_gemm.tma_gemm(x, w, False, cfg, defer_reduce=True)
+            assert isinstance(p, split_k.SplitKPartials) and p.partials.shape == (cfg.split_k, m, n) and p.dtype == dtype
+            got = skinny_gemm.tma_gemm(x, w, False, cfg)
+            assert_matches(split_k.reduce_partials_triton(p), got, exact=True)
+            res, norm_w = g.randn(m, n, dtype=dtype), g.randn(n, dtype=dtype)
+            for a, e in zip(norms.add_rms_norm_triton(p, res, norm_w, EPS), norms.add_rms_norm_triton(got, res, norm_w, EPS)):
+                assert_matches(a, e, exact=True)
+            torch.testing.assert_close(got.float().cpu(), product.to(dtype).float().cpu(), rtol=2 * ulp, atol=ulp * 0.5 * k**0.5, equal_nan=True)
+        else:
+            got = skinny_gemm.tma_gemm(x, w, False, cfg)
+            torch.testing.assert_close(got.float().cpu(), product.to(dtype).float().cpu(), rtol=2 * ulp, atol=ulp * 0.5 * k**0.5, equal_nan=True)
+        assert got.shape == (m, n // 2 if silu_mul else n) and got.dtype == dtype
+        if nonfinite:  # rows without specials stay finite: nothing leaked across rows
+            assert got[1 : m - 1].isfinite().all() and not got[0].isfinite().all()
+
+    return case
+
+
 def _skinny_gemm_add_rms_norm(dtype, m, n, k, splits=None, *, bias=False, nonfinite=False, strided=False, weight_dtype=None):
     """The product + add + RMSNorm launch (few rows) against the two launches it replaces, the
     split-K product's partials and then add_rms_norm on them: bit for bit, the normed output and
@@ -436,6 +473,21 @@ def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
         cases[f"skinny_gemm-{name}-picked-o-m128-deferred-config"] = _skinny_gemm(dtype, 128, 1024, 2048, config=skinny_gemm.pick_config(128, 1024, 2048, deferred=True))
         cases[f"skinny_gemm-{name}-picked-o-deferred-m128"] = _skinny_gemm_deferred(dtype, 128, 1024, 2048)
         cases[f"skinny_gemm-{name}-picked-down-deferred-m97"] = _skinny_gemm_deferred(dtype, 97, 1024, 3072, bias=True)
+        # The Hopper form: rows not a multiple of the tile (TMA fills zeros, stores are masked),
+        # outputs not a multiple of BLOCK_N, split K, SwiGLU, strided x, NaN and inf.
+        tma = lambda *a: cfg(*a, tma=True)  # noqa: E731
+        cases[f"skinny_gemm-{name}-tma-odd"] = _tma_gemm(dtype, 37, 40, 256, tma(64, 16, 64, 1, 4, 2))
+        cases[f"skinny_gemm-{name}-tma-split2"] = _tma_gemm(dtype, 100, 48, 256, tma(64, 16, 64, 2, 4, 2))
+        cases[f"skinny_gemm-{name}-tma-silu-mul"] = _tma_gemm(dtype, 70, 2 * 40, 128, tma(64, 16, 64, 1, 4, 2), silu_mul=True)
+        cases[f"skinny_gemm-{name}-tma-strided-nan-inf"] = _tma_gemm(dtype, 65, 32, 128, tma(64, 32, 64, 2, 4, 2), strided=True, nonfinite=True)
+        cases[f"skinny_gemm-{name}-tma-silu-nan-inf"] = _tma_gemm(dtype, 9, 2 * 32, 64, tma(64, 32, 64, 1, 4, 2), silu_mul=True, nonfinite=True)
+        # ... and with pick_tma's configurations for Qwen3-0.6B's shapes at the rows buckets give.
+        for m in (64, 100, 128, 192, 256, 384, 512):
+            cases[f"skinny_gemm-{name}-picked-tma-gate-up-m{m}"] = _tma_gemm(dtype, m, 2 * 3072, 1024, silu_mul=True)
+        for m in (40, 64, 128, 448, 512):
+            cases[f"skinny_gemm-{name}-picked-tma-qkv-m{m}"] = _tma_gemm(dtype, m, 4096, 1024, nonfinite=m == 128)
+        cases[f"skinny_gemm-{name}-picked-tma-o-deferred-m128"] = _tma_gemm(dtype, 128, 1024, 2048, deferred=True)
+        cases[f"skinny_gemm-{name}-picked-tma-down-deferred-m97"] = _tma_gemm(dtype, 97, 1024, 3072, deferred=True, nonfinite=True)
         # The product + add + RMSNorm launch: 1-4 rows, K odd multiples of 16 (uneven last slices
         # too), 2-5 splits, rows of 1024 / 200 / 391 (several norm row tiles: 2 / 8 / 4 rows).
         for m, n, k, splits, bias in ((1, 1024, 208, 3, False), (2, 200, 80, 5, True), (3, 391, 336, 4, False),

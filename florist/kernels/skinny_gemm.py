@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from florist.kernels import norms, pdl
+from florist.kernels import norms, pdl, wide_gemm
 from florist.kernels.activation import silu_and_mul
 from florist.kernels.launch_counters import LaunchCounters
 from florist.kernels.split_k import SplitKPartials, reduce_partials_triton
@@ -78,6 +78,8 @@ _DTYPES = (torch.float16, torch.bfloat16)
 _NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # a norm weight's or bias' dtype
 # FLORIST_SKINNY_GEMM=0 sends every product to cuBLAS (for side-by-side measurements).
 ENABLED = os.environ.get("FLORIST_SKINNY_GEMM", "1") != "0"
+# FLORIST_TMA_GEMM=0 keeps the pointer kernel and cuBLAS where the TMA form would run (A/B runs).
+TMA_ENABLED = os.environ.get("FLORIST_TMA_GEMM", "1") != "0"
 # The product + add + RMSNorm launch (`skinny_gemm_add_rms_norm`) is for decode-sized products:
 # its last program reduces and normalises every row alone, so it takes few rows, and whole rows
 # of at most this many columns (held in that program's registers).
@@ -99,6 +101,7 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    tma: bool = False  # the Hopper form (`_tma_gemm_kernel`): operands by TMA, no bias, no GELU
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
@@ -112,8 +115,11 @@ def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y
 
 
-def pick_config(m: int, n: int, k: int, silu_mul: bool = False, gelu: bool = False, deferred: bool = False) -> GemmConfig | None:
+def pick_config(m: int, n: int, k: int, silu_mul: bool = False, gelu: bool = False, deferred: bool = False,
+                tma: bool = False) -> GemmConfig | None:
     """The configuration for a [m, k] x [n, k].T product, or None where cuBLAS is as fast.
+    `tma`: the Hopper form may run (`tma_applies`); where `pick_tma` has a configuration for the
+    shape, it is taken.
 
     Measured with `bench/gemm.py --sweep` on the H200 (docs/benchmarks.md, "Skinny matrix
     products"); every configuration below is the sweep's best (or within 0.3 us of it) for the
@@ -135,6 +141,8 @@ def pick_config(m: int, n: int, k: int, silu_mul: bool = False, gelu: bool = Fal
     above 64 rows cuBLAS' tensor-core tiles win every other shape measured (gate/up + SwiGLU:
     8.5 vs 8.3 us at 128 rows, 15.0 vs 13.8 at 512; o and down at 512 rows: 7.4 vs 6.0, 8.8 vs 8.0).
     """
+    if tma and (config := pick_tma(m, n, k, silu_mul, deferred)) is not None:
+        return config
     if gelu and k <= 512 and 64 < m <= 128:
         return GemmConfig(128, 16, 128, 1, 4, 4)
     if deferred and 64 < m <= 128 and k >= 2048 and n <= 2048 and not (silu_mul or gelu):
@@ -152,6 +160,48 @@ def pick_config(m: int, n: int, k: int, silu_mul: bool = False, gelu: bool = Fal
     if k <= 512:
         return GemmConfig(bm, 32, 128, 1, 4, 4) if small else GemmConfig(bm, 16, 128, 1, 4, 4)
     return None
+
+
+def pick_tma(m: int, n: int, k: int, silu_mul: bool = False, deferred: bool = False) -> GemmConfig | None:
+    """The Hopper form's configuration for a shape, or None where the pointer kernel or cuBLAS is
+    as fast. `bench/tma_skinny_exp.py` on the H200 (docs/benchmarks.md, "Skinny products by TMA"),
+    us per call in a CUDA graph, weights from HBM, against what ran before:
+      - gate/up + SwiGLU (Qwen3 6144 x 1024): 6.1 vs 6.6 (pointer kernel) at 64 rows, 7.3 vs 8.4
+        (cuBLAS + the SwiGLU kernel) at 128, 9.2 vs 10.3 at 256, 13.4 vs 15.1 at 512;
+      - wide output (Qwen3 qkv 4096 x 1024): 4.8 vs 5.3 (cuBLAS) at 64 rows, 5.4 vs 5.3 at 128
+        (taken for its programmatic launch, measured in the engine), 8.9 vs 9.3 at 512 (6.95 vs
+        6.84 at 256: cuBLAS kept);
+      - narrow output, long K, reduction deferred to the norm (Qwen3 o 1024 x 2048, down 1024 x
+        3072) at 65-128 rows: 4.5 vs 4.5 and 5.1 vs 5.3 (the pointer kernel, K split 4)."""
+    if not 32 < m <= 512:
+        return None
+    if silu_mul:
+        if m <= 64:
+            config = GemmConfig(64, 32, 128, 1, 4, 5, tma=True)
+        elif m <= 128:
+            config = GemmConfig(64, 32, 128, 1, 4, 3, tma=True)
+        elif m <= 256:
+            config = GemmConfig(128, 64, 64, 1, 8, 5, tma=True)
+        else:
+            config = GemmConfig(128, 32, 64, 1, 4, 3, tma=True)
+    elif deferred:
+        config = GemmConfig(64, 64, 128, 4, 4, 5, tma=True) if 64 < m <= 128 and k >= 2048 and n <= 2048 else None
+    elif n >= 2 * k and m <= 128:
+        config = GemmConfig(64, 64, 128, 1, 4, 5, tma=True)
+    elif n >= 2 * k and m > 256:
+        config = GemmConfig(128, 128, 64, 1, 4, 5, tma=True)
+    else:
+        config = None
+    return config if config is not None and k % (config.split_k * config.block_k) == 0 else None
+
+
+def tma_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False, gelu: bool = False) -> bool:
+    """Host-side checks only (safe in CUDA graphs): the Hopper form can run this product (a
+    Hopper-class device, x and weight laid out as TMA needs, no bias, no GELU)."""
+    return (
+        TMA_ENABLED and bias is None and not gelu and applies(x, weight) and wide_gemm.hopper(x.device)
+        and wide_gemm.tma_ok(x) and wide_gemm.tma_ok(weight) and (not silu_mul or weight.is_contiguous())
+    )
 
 
 def _supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -173,7 +223,10 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     With `defer_reduce`, a product that runs split-K returns `SplitKPartials` (the caller's next
     op sums them); every other product returns the tensor as usual."""
     if applies(x, weight):
-        config = config or pick_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul, gelu, defer_reduce)
+        tma = tma_applies(x, weight, bias, silu_mul, gelu)
+        config = config or pick_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul, gelu, defer_reduce, tma)
+        if config is not None and config.tma:
+            return tma_gemm(x, weight, silu_mul, config, defer_reduce)
         if config is not None:
             return skinny_gemm_triton(x, weight, bias, silu_mul, config, gelu, defer_reduce)
     y = F.linear(x, weight, bias)
@@ -227,6 +280,88 @@ def _k_split(k: int, config: GemmConfig) -> tuple[int, int]:
     leave a slice empty is dropped."""
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     return k_per_split, triton.cdiv(k, k_per_split)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hopper form: x and w tiles brought in by TMA
+
+
+def tma_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, config: GemmConfig, defer_reduce: bool = False) -> torch.Tensor | SplitKPartials:
+    """`skinny_gemm_triton` without bias or GELU, its operands brought in by TMA (tensor
+    descriptors: Triton pipelines them through `num_stages` shared-memory buffers, no registers
+    spent on addresses). Program (n, s, m) owns the [BLOCK_M, BLOCK_N] output tile n, m over the
+    K slice s; with split_k > 1 it stores fp32 partials [split_k, M, N] (`SplitKPartials`, summed
+    by the norm after it or by `_reduce_kernel`); with SwiGLU one [2, BLOCK_N, BLOCK_K] box brings
+    the gate rows n.. and the up rows I + n.. of a K block (as `wide_gemm` does), and the output is
+    rounded as cuBLAS + `silu_and_mul` round it."""
+    c = config
+    m, k = x.shape
+    n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    assert x.dtype in _DTYPES and weight.dtype == x.dtype and x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == k, (
+        f"unsupported input: x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}"
+    )
+    assert wide_gemm.tma_ok(x) and wide_gemm.tma_ok(weight), "TMA needs the last dim contiguous and 16-byte aligned rows and bases"
+    assert not (silu_mul and c.split_k > 1), "activations are not linear in the partial sums: split_k must be 1"
+    assert not silu_mul or (weight.shape[0] % 2 == 0 and weight.is_contiguous()), "a merged gate/up weight: contiguous, an even number of rows"
+    assert k % (c.split_k * c.block_k) == 0, f"K = {k} must split into {c.split_k} slices of whole {c.block_k}-blocks"
+    # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
+    assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
+        f"tensors are on {x.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({x.device}) first"
+    )
+    if m == 0 or n_out == 0:
+        return torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    if silu_mul:
+        w_desc = wide_gemm.TensorDescriptor.from_tensor(weight.view(2, n_out, k), [2, c.block_n, c.block_k])
+    else:
+        w_desc = wide_gemm.TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
+    shape = (m, n_out) if c.split_k == 1 else (c.split_k, m, n_out)
+    out = torch.empty(shape, dtype=x.dtype if c.split_k == 1 else torch.float32, device=x.device)
+    grid = (triton.cdiv(n_out, c.block_n), c.split_k, triton.cdiv(m, c.block_m))
+    _tma_gemm_kernel[grid](
+        wide_gemm.TensorDescriptor.from_tensor(x, [c.block_m, c.block_k]), w_desc, out, m, n_out, k // c.split_k,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PARTIAL=c.split_k > 1, SILU_MUL=silu_mul,
+        num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_args(x),
+    )
+    if c.split_k == 1:
+        return out
+    product = SplitKPartials(out, None, x.dtype)
+    return product if defer_reduce else reduce_partials_triton(product)
+
+
+@_jit
+def _tma_gemm_kernel(x_desc, w_desc, out_ptr, M, N, K_PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PARTIAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+    pdl.pdl_wait(PDL)
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if SILU_MUL:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # TMA fills rows past M (and columns past N) with zeros; their outputs are masked on store.
+    k_start = pid_k * K_PER_SPLIT
+    for k in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        x = x_desc.load([pid_m * BLOCK_M, k])
+        if SILU_MUL:  # [2, BLOCK_N, BLOCK_K]: the gate rows, then the matching up rows
+            w = tl.reshape(w_desc.load([0, pid_n * BLOCK_N, k]), (2 * BLOCK_N, BLOCK_K))
+        else:
+            w = w_desc.load([pid_n * BLOCK_N, k])
+        acc = tl.dot(x, w.T, acc)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * M * N + offs, acc, mask=mask)
+    elif SILU_MUL:
+        dtype = out_ptr.dtype.element_ty
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        # cuBLAS' rounding of the product, then activation.silu_and_mul's steps (as wide_gemm).
+        gate = gate.to(dtype).to(tl.float32)
+        up = up.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + offs, (act * up).to(dtype), mask=mask)
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ def hopper(device: torch.device) -> bool:
     return device.type == "cuda" and _device_facts(_index(device))[0]
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
+def tma_ok(t: torch.Tensor) -> bool:
     """TMA's rules: last dim contiguous, other strides and the base 16-byte aligned."""
     size = t.element_size()
     return t.stride(-1) == 1 and all((s * size) % 16 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
@@ -112,7 +112,7 @@ def _supported(x: torch.Tensor, weight: torch.Tensor, epilogue: int = NONE) -> b
     contiguous [gate | up] weight with an even number of rows."""
     if triton is None or TensorDescriptor is None or x.dtype not in _DTYPES or weight.dtype != x.dtype:
         return False
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not (_tma_ok(x) and _tma_ok(weight)):
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not (tma_ok(x) and tma_ok(weight)):
         return False
     n = weight.shape[0]
     if epilogue == SWIGLU:
