@@ -20,6 +20,14 @@ embedding batch's prefill): cuBLAS (+ the SwiGLU kernel) against the persistent 
 SwiGLU fused for gate/up, plain for the others; with --sweep, a list of its configurations.
 
     python bench/gemm.py --wide [--wide-m 512 1024 4096 16384] [--sweep]
+
+--tma times the Hopper form of the skinny product (operands by TMA, `skinny_gemm.tma_gemm`) on
+Qwen3-0.6B's products at the row counts of the graph buckets up to 512: cuBLAS (+ the SwiGLU
+kernel), what ran before it (`pick_config` without it: the pointer kernel or cuBLAS), what
+`pick_config(..., tma=True)` picks now, and with --sweep the best of its configurations (what
+`pick_tma`'s table was read from). o and down are timed split-K with the reduction deferred.
+
+    python bench/gemm.py --tma [--tma-m 64 128 192 256 384 512] [--sweep]
 """
 
 from __future__ import annotations
@@ -96,6 +104,84 @@ def wide_sweep(silu: bool) -> list[wide_gemm.WideConfig]:
     return [w(128, 256, 64, 8, 3), w(128, 128, 64, 8, 4), w(128, 128, 64, 4, 4), w(256, 128, 64, 8, 3), w(128, 128, 128, 8, 3)]
 
 
+def tma_sweep(m: int, n: int, k: int, silu: bool) -> list[GemmConfig]:
+    """TMA configurations that fit the SM's shared memory and give 32-1,024 programs."""
+    out = []
+    for bm, bn, bk, split_k, warps, stages in itertools.product((64, 128) if m > 64 else (64,), (16, 32, 64, 128), (64, 128), (1, 2, 4), (4, 8), (3, 5)):
+        if (silu and split_k > 1) or (warps == 8 and bm * bn < 128 * 64) or k % (split_k * bk) or k // split_k < 2 * bk:
+            continue
+        if stages * (bm * bk + (2 if silu else 1) * bn * bk) * 2 > 200_000:
+            continue
+        programs = ((n // 2 if silu else n) // bn) * split_k * -(-m // bm)
+        if 32 <= programs <= 1024:
+            out.append(GemmConfig(bm, bn, bk, split_k, warps, stages, tma=True))
+    return out
+
+
+def tma_main(args) -> int:
+    dtype, dev = torch.bfloat16, "cuda"
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
+    print(f"{'shape':20s} {'M':>4s} {'floor':>6s} {'cublas':>7s} {'before':>7s} {'picked':>7s} {'best':>7s}  picked / best config (us per call)", flush=True)
+    rows = []
+    cfgs = lambda c: "-" if c is None else f"{'tma ' if c.tma else ''}m{c.block_m} n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"  # noqa: E731
+    for name, n, k, silu in WIDE_SHAPES:
+        copies = max(2, min(16, -(-256 * 2**20 // (n * k * 2))))  # > 200 MB of weights: they come from HBM
+        weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.05 for _ in range(copies)]
+        defer = name in ("qwen3 o", "qwen3 down")
+        for m in args.tma_m:
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            ref = skinny_gemm.skinny_gemm_ref(x.float(), weights[0].float(), None, silu)
+
+            def cublas(i):
+                y = F.linear(x, weights[i])
+                return activation.silu_and_mul(y) if silu else y
+
+            def run(cfg):
+                if cfg is None:
+                    return cublas
+                if cfg.tma:
+                    return lambda i: skinny_gemm.tma_gemm(x, weights[i], silu, cfg, defer)
+                return lambda i: skinny_gemm.skinny_gemm_triton(x, weights[i], None, silu, cfg, False, defer)
+
+            def checked(cfg):
+                got = run(cfg)(0)
+                got = (got.reduce() if hasattr(got, "reduce") else got).float()
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                assert err < 2e-2, f"{name} M={m} {cfg}: relative error {err}"
+                return time_graph(run(cfg), copies)
+
+            before = skinny_gemm.pick_config(m, n, k, silu, deferred=defer)
+            picked = skinny_gemm.pick_config(m, n, k, silu, deferred=defer, tma=True)
+            t_cublas = time_graph(cublas, copies)
+            t_before = checked(before) if before is not None else t_cublas
+            t_picked = checked(picked) if picked is not None else t_cublas
+            best, best_cfg = None, None
+            if args.sweep:
+                for cfg in tma_sweep(m, n, k, silu):
+                    try:
+                        t = time_graph(run(cfg), copies, replays=8)
+                    except Exception as exc:  # out of resources and the like: not a candidate
+                        print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
+                        continue
+                    if best is None or t < best:
+                        best, best_cfg = t, cfg
+            floor = n * k * 2 / PEAK_BYTES_PER_S * 1e6
+            rows.append({"shape": name, "m": m, "n": n, "k": k, "floor_us": floor, "cublas_us": t_cublas, "before_us": t_before,
+                         "picked_us": t_picked, "picked": picked.__dict__ if picked else None, "best_us": best,
+                         "best": best_cfg.__dict__ if best_cfg else None})
+            fmt = lambda v: f"{v:7.2f}" if v is not None else f"{'-':>7s}"  # noqa: E731
+            print(f"{name:20s} {m:4d} {floor:6.2f} {fmt(t_cublas)} {fmt(t_before)} {fmt(t_picked)} {fmt(best)}  {cfgs(picked)} / {cfgs(best_cfg)}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    print("\nQwen3-0.6B layer (qkv + o + gate_up+silu + down), us: before / picked")
+    for m in args.tma_m:
+        sel = [r for r in rows if r["m"] == m]
+        print(f"  M={m:4d}: {sum(r['before_us'] for r in sel):7.2f} / {sum(r['picked_us'] for r in sel):7.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def wide_main(args) -> int:
     dtype, dev = torch.bfloat16, "cuda"
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
@@ -153,9 +239,13 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--wide", action="store_true", help="time the many-row products (wide_gemm) instead")
     ap.add_argument("--wide-m", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384], help="row counts for --wide")
+    ap.add_argument("--tma", action="store_true", help="time the Hopper form of the skinny product (operands by TMA) instead")
+    ap.add_argument("--tma-m", type=int, nargs="+", default=[64, 128, 192, 256, 384, 512], help="row counts for --tma")
     args = ap.parse_args()
     if args.wide:
         return wide_main(args)
+    if args.tma:
+        return tma_main(args)
     dtype, dev = torch.bfloat16, "cuda"
     prefixes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     rows = []

@@ -482,9 +482,9 @@ def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
         cases[f"skinny_gemm-{name}-tma-strided-nan-inf"] = _tma_gemm(dtype, 65, 32, 128, tma(64, 32, 64, 2, 4, 2), strided=True, nonfinite=True)
         cases[f"skinny_gemm-{name}-tma-silu-nan-inf"] = _tma_gemm(dtype, 9, 2 * 32, 64, tma(64, 32, 64, 1, 4, 2), silu_mul=True, nonfinite=True)
         # ... and with pick_tma's configurations for Qwen3-0.6B's shapes at the rows buckets give.
-        for m in (64, 100, 128, 192, 256, 384, 512):
+        for m in (64, 100, 128, 256, 320, 512):
             cases[f"skinny_gemm-{name}-picked-tma-gate-up-m{m}"] = _tma_gemm(dtype, m, 2 * 3072, 1024, silu_mul=True)
-        for m in (40, 64, 128, 448, 512):
+        for m in (40, 64, 128, 449, 512):
             cases[f"skinny_gemm-{name}-picked-tma-qkv-m{m}"] = _tma_gemm(dtype, m, 4096, 1024, nonfinite=m == 128)
         cases[f"skinny_gemm-{name}-picked-tma-o-deferred-m128"] = _tma_gemm(dtype, 128, 1024, 2048, deferred=True)
         cases[f"skinny_gemm-{name}-picked-tma-down-deferred-m97"] = _tma_gemm(dtype, 97, 1024, 3072, deferred=True, nonfinite=True)

@@ -344,8 +344,9 @@ def test_a_warmed_up_engine_generates_from_another_thread(lm_dir):
 
     config = GenerationConfig(max_num_seqs=8, max_model_len=256)
     # One prompt of 128 tokens: a shape the warm-up prefills once (its one-prompt round), and at
-    # 128 rows the products are cuBLAS's (skinny_gemm.pick_config stops below), so the capture
-    # is where this thread would first call cuBLAS.
+    # 128 rows this model's products are cuBLAS's (skinny_gemm.pick_config stops below; its K
+    # of 64 and 128 is too short for pick_tma's blocks), so the capture is where this thread
+    # would first call cuBLAS.
     prompts = prompts_for(lm_dir, (128,), seed=3)
     cold = florist.Engine.from_pretrained(lm_dir, device="cuda", dtype="bf16", generation=config)
     want = [r.token_ids for r in cold.generate(prompts, max_tokens=NEW_TOKENS)]

@@ -100,6 +100,26 @@ def test_cpu_uses_reference(dtype):
             assert torch.equal(a, e), name
 
 
+def test_tma_products_are_picked_only_where_measured():
+    """`pick_tma`'s table (Qwen3-0.6B's products on the H200: `bench/gemm.py --tma --sweep`) and its
+    guards: the Hopper form only where `tma` is allowed, only for the shapes and row ranges it
+    won, never with a K that does not split into whole blocks; off Hopper `tma_applies` is False."""
+    from florist.kernels import skinny_gemm as sg
+
+    gate_up, qkv, o, down = (6144, 1024), (4096, 1024), (1024, 2048), (1024, 3072)
+    tma = lambda m, shape, **kw: (c := sg.pick_config(m, *shape, tma=True, **kw)) is not None and c.tma  # noqa: E731
+    assert [m for m in (1, 16, 32, 40, 64, 100, 128, 192, 256, 320, 512, 576, 1024) if tma(m, gate_up, silu_mul=True)] == [40, 64, 100, 128, 256, 320, 512]
+    assert [m for m in (16, 40, 64, 128, 192, 256, 384, 448, 449, 512, 576) if tma(m, qkv)] == [40, 64, 128, 449, 512]
+    assert [m for m in (1, 64, 65, 128, 129, 256) if tma(m, o, deferred=True) and tma(m, down, deferred=True)] == [65, 128]
+    assert not any(tma(128, shape) for shape in (o, down))  # not deferred: the reduction would be a launch of its own
+    assert not tma(128, (6144, 1000), silu_mul=True) and not tma(128, (1024, 2000), deferred=True)  # K not whole blocks
+    for m, shape, kw in ((128, gate_up, {"silu_mul": True}), (64, qkv, {}), (128, down, {"deferred": True})):
+        config = sg.pick_config(m, *shape, **kw)  # tma=False: never the Hopper form
+        assert config is None or not config.tma
+    x, w = torch.zeros(128, 1024, dtype=torch.bfloat16), torch.zeros(6144, 1024, dtype=torch.bfloat16)
+    assert not sg.tma_applies(x, w, silu_mul=True)  # CPU tensors
+
+
 def test_qk_norm_rope_reference_is_the_composition():
     """The fused op's reference is exactly what Qwen3Attention did before: rms_norm, then rotary."""
     t = _sample_inputs("cpu")

@@ -164,13 +164,14 @@ def pick_config(m: int, n: int, k: int, silu_mul: bool = False, gelu: bool = Fal
 
 def pick_tma(m: int, n: int, k: int, silu_mul: bool = False, deferred: bool = False) -> GemmConfig | None:
     """The Hopper form's configuration for a shape, or None where the pointer kernel or cuBLAS is
-    as fast. `bench/tma_skinny_exp.py` on the H200 (docs/benchmarks.md, "Skinny products by TMA"),
+    as fast. `bench/gemm.py --tma --sweep` on the H200 (docs/benchmarks.md, "Skinny products by TMA"),
     us per call in a CUDA graph, weights from HBM, against what ran before:
       - gate/up + SwiGLU (Qwen3 6144 x 1024): 6.1 vs 6.6 (pointer kernel) at 64 rows, 7.3 vs 8.4
-        (cuBLAS + the SwiGLU kernel) at 128, 9.2 vs 10.3 at 256, 13.4 vs 15.1 at 512;
+        (cuBLAS + the SwiGLU kernel) at 128, 9.2 vs 10.3 at 256, 12.0 vs 12.4 at 384, 13.4 vs
+        15.1 at 512 (9.6 vs 9.4 at 192: cuBLAS kept there);
       - wide output (Qwen3 qkv 4096 x 1024): 4.8 vs 5.3 (cuBLAS) at 64 rows, 5.4 vs 5.3 at 128
-        (taken for its programmatic launch, measured in the engine), 8.9 vs 9.3 at 512 (6.95 vs
-        6.84 at 256: cuBLAS kept);
+        (kept: a wash to 0.01 ms in the engine, where its launch is programmatic), 8.9 vs 9.3
+        at 512 (cuBLAS kept at 129-448: 6.95 vs 6.84 at 256, 8.3 vs 7.6 at 384);
       - narrow output, long K, reduction deferred to the norm (Qwen3 o 1024 x 2048, down 1024 x
         3072) at 65-128 rows: 4.5 vs 4.5 and 5.1 vs 5.3 (the pointer kernel, K split 4)."""
     if not 32 < m <= 512:
@@ -180,6 +181,8 @@ def pick_tma(m: int, n: int, k: int, silu_mul: bool = False, deferred: bool = Fa
             config = GemmConfig(64, 32, 128, 1, 4, 5, tma=True)
         elif m <= 128:
             config = GemmConfig(64, 32, 128, 1, 4, 3, tma=True)
+        elif m <= 192:
+            config = None  # 9.6 vs 9.4 us at 192 rows
         elif m <= 256:
             config = GemmConfig(128, 64, 64, 1, 8, 5, tma=True)
         else:
@@ -188,7 +191,7 @@ def pick_tma(m: int, n: int, k: int, silu_mul: bool = False, deferred: bool = Fa
         config = GemmConfig(64, 64, 128, 4, 4, 5, tma=True) if 64 < m <= 128 and k >= 2048 and n <= 2048 else None
     elif n >= 2 * k and m <= 128:
         config = GemmConfig(64, 64, 128, 1, 4, 5, tma=True)
-    elif n >= 2 * k and m > 256:
+    elif n >= 2 * k and 448 < m:  # 8.3 vs 7.6 us at 384 rows: cuBLAS below
         config = GemmConfig(128, 128, 64, 1, 4, 5, tma=True)
     else:
         config = None
