@@ -246,6 +246,8 @@ def main():
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--baseline-iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--breakdown-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[128, 512],
+                    help="comma list: the Qwen3 batch-1 lengths --only breakdown times (default 128,512)")
     ap.add_argument("--only", default="", help="comma list: qwen3,pplx,minilm,stream,threshold,profile,breakdown,minilm-breakdown,lasttoken")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--json", default=None, help="write all rows here")
@@ -282,7 +284,7 @@ def main():
         if want("profile"):
             profile(engine, "qwen3-0.6b", [[128], [512] * 100])
         if want("breakdown"):
-            latency_breakdown(engine, "qwen3-0.6b", [128, 512])
+            latency_breakdown(engine, "qwen3-0.6b", args.breakdown_tokens)
         if want("lasttoken"):
             last_token_ab(engine, "qwen3-0.6b")
         if want("stream"):

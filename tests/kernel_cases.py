@@ -488,6 +488,8 @@ def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
             cases[f"skinny_gemm-{name}-picked-tma-qkv-m{m}"] = _tma_gemm(dtype, m, 4096, 1024, nonfinite=m == 128)
         cases[f"skinny_gemm-{name}-picked-tma-o-deferred-m128"] = _tma_gemm(dtype, 128, 1024, 2048, deferred=True)
         cases[f"skinny_gemm-{name}-picked-tma-down-deferred-m97"] = _tma_gemm(dtype, 97, 1024, 3072, deferred=True, nonfinite=True)
+        cases[f"skinny_gemm-{name}-picked-tma-o-deferred-m192"] = _tma_gemm(dtype, 192, 1024, 2048, deferred=True)
+        cases[f"skinny_gemm-{name}-picked-tma-down-deferred-m200"] = _tma_gemm(dtype, 200, 1024, 3072, deferred=True)
         # The product + add + RMSNorm launch: 1-4 rows, K odd multiples of 16 (uneven last slices
         # too), 2-5 splits, rows of 1024 / 200 / 391 (several norm row tiles: 2 / 8 / 4 rows).
         for m, n, k, splits, bias in ((1, 1024, 208, 3, False), (2, 200, 80, 5, True), (3, 391, 336, 4, False),

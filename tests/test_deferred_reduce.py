@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import florist
 from florist.engine.batch import HostBatch, to_device
-from florist.kernels import norms, skinny_gemm, split_k
+from florist.kernels import norms, skinny_gemm, split_k, wide_gemm
 from florist.kernels.launch_counters import LaunchCounters
 from florist.kernels.split_k import SplitKPartials
 from florist.layers import linear
@@ -332,11 +332,11 @@ def _unfused_add_norm(self, x, residual, norm):
 @pytest.mark.gpu
 def test_qwen3_fused_reduce_equals_unfused_on_gpu(monkeypatch):
     """Three ways through o_proj/down_proj and the norm after each: as served (one launch for
-    <= FUSED_NORM_MAX_ROWS rows, partials into the norm for <= 128), with the one-launch op off
-    (partials into the norm), and reduced by the product before the norm. Bit for bit up to 64
-    rows; at 65-128 rows the product that is not deferred is cuBLAS (`pick_config`), so there
-    the last way is compared with a tolerance (down_proj's SwiGLU input is checked bit for bit in
-    tests/kernel_cases.py)."""
+    <= FUSED_NORM_MAX_ROWS rows, partials into the norm for <= 128 rows, <= 256 on Hopper), with
+    the one-launch op off (partials into the norm), and reduced by the product before the norm.
+    Bit for bit up to 64 rows and where nothing defers; at 65-256 rows the product that is not
+    deferred is cuBLAS (`pick_config`), so there the last way is compared with a tolerance
+    (down_proj's SwiGLU input is checked bit for bit in tests/kernel_cases.py)."""
     device = torch.device("cuda")
     model = _qwen3_0_6b_layers(3, device, torch.bfloat16)
     _randomise_norms(model)
@@ -347,7 +347,10 @@ def test_qwen3_fused_reduce_equals_unfused_on_gpu(monkeypatch):
     monkeypatch.setattr(skinny_gemm, "skinny_gemm_add_rms_norm_triton", lambda *a, **k: fused_launches.append(1) or fused_launch(*a, **k))
     rng = np.random.default_rng(0)
     limit = skinny_gemm.FUSED_NORM_MAX_ROWS
-    for lens in ([1], [2], [4], [1, 1, 1], [1, 3], [17], [64], [5, 1, 9], [3] * 8, [100], [60, 68], [200]):  # 200 rows: cuBLAS
+    # Which row counts defer the reduction, as served (on Hopper the TMA form does up to 256).
+    tma = skinny_gemm.TMA_ENABLED and wide_gemm.hopper(device)
+    defers = lambda r: (c := skinny_gemm.pick_config(r, 1024, 2048, deferred=True, tma=tma)) is not None and c.split_k > 1  # noqa: E731
+    for lens in ([1], [2], [4], [1, 1, 1], [1, 3], [17], [64], [5, 1, 9], [3] * 8, [100], [60, 68], [200], [300]):  # 300 rows: cuBLAS
         host = HostBatch.from_sequences([rng.integers(0, 1000, size=n).astype(np.int32) for n in lens])
         batch = to_device(host, device)
         for last_token_only in (False, True):
@@ -364,12 +367,13 @@ def test_qwen3_fused_reduce_equals_unfused_on_gpu(monkeypatch):
                     m.setattr(RowParallelLinear, "forward_add_norm", _unfused_add_norm)
                     unfused = model(batch)
             # Both products of every layer, by their rows (the final layer's rows are the B last
-            # tokens with last_token_only): <= FUSED_NORM_MAX_ROWS in one launch, <= 128 partials.
+            # tokens with last_token_only): <= FUSED_NORM_MAX_ROWS in one launch, then partials
+            # where the product defers its reduction.
             rows = [sum(lens)] * (len(model.layers) - 1) + [len(lens) if last_token_only else sum(lens)]
-            expected = (2 * sum(limit < r <= 128 for r in rows), 2 * sum(r <= limit for r in rows))
+            expected = (2 * sum(limit < r and defers(r) for r in rows), 2 * sum(r <= limit for r in rows))
             assert served == expected, (lens, last_token_only, served)
             assert torch.equal(fused, deferred), f"{lens} last_token_only={last_token_only}: one launch != partials into the norm"
-            if max(rows) <= 64 or min(rows) > 128:
+            if not any(r > 64 and defers(r) for r in rows):
                 assert torch.equal(fused, unfused), f"{lens} last_token_only={last_token_only}: != reduced before the norm"
             else:
                 cos = F.cosine_similarity(fused.float(), unfused.float(), dim=-1)

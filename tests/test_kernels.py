@@ -110,7 +110,7 @@ def test_tma_products_are_picked_only_where_measured():
     tma = lambda m, shape, **kw: (c := sg.pick_config(m, *shape, tma=True, **kw)) is not None and c.tma  # noqa: E731
     assert [m for m in (1, 16, 32, 40, 64, 100, 128, 192, 256, 320, 512, 576, 1024) if tma(m, gate_up, silu_mul=True)] == [40, 64, 100, 128, 256, 320, 512]
     assert [m for m in (16, 40, 64, 128, 192, 256, 384, 448, 449, 512, 576) if tma(m, qkv)] == [40, 64, 128, 449, 512]
-    assert [m for m in (1, 64, 65, 128, 129, 256) if tma(m, o, deferred=True) and tma(m, down, deferred=True)] == [65, 128]
+    assert [m for m in (1, 64, 65, 128, 129, 192, 256, 257, 512) if tma(m, o, deferred=True) and tma(m, down, deferred=True)] == [65, 128, 129, 192, 256]
     assert not any(tma(128, shape) for shape in (o, down))  # not deferred: the reduction would be a launch of its own
     assert not tma(128, (6144, 1000), silu_mul=True) and not tma(128, (1024, 2000), deferred=True)  # K not whole blocks
     for m, shape, kw in ((128, gate_up, {"silu_mul": True}), (64, qkv, {}), (128, down, {"deferred": True})):

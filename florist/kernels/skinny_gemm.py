@@ -173,7 +173,9 @@ def pick_tma(m: int, n: int, k: int, silu_mul: bool = False, deferred: bool = Fa
         (kept: a wash to 0.01 ms in the engine, where its launch is programmatic), 8.9 vs 9.3
         at 512 (cuBLAS kept at 129-448: 6.95 vs 6.84 at 256, 8.3 vs 7.6 at 384);
       - narrow output, long K, reduction deferred to the norm (Qwen3 o 1024 x 2048, down 1024 x
-        3072) at 65-128 rows: 4.5 vs 4.5 and 5.1 vs 5.3 (the pointer kernel, K split 4)."""
+        3072): 4.4 vs 4.6 and 5.0 vs 5.5 (the pointer kernel, K split 4) at 128 rows; 4.9 vs 6.5
+        and 6.0 vs 8.0 (cuBLAS, not split) at 192, 5.0 vs 6.8 and 6.1 vs 8.0 at 256, the norm
+        after them summing 2-4 MB of fp32 partials (measured in the engine: docs/benchmarks.md)."""
     if not 32 < m <= 512:
         return None
     if silu_mul:
@@ -187,8 +189,17 @@ def pick_tma(m: int, n: int, k: int, silu_mul: bool = False, deferred: bool = Fa
             config = GemmConfig(128, 64, 64, 1, 8, 5, tma=True)
         else:
             config = GemmConfig(128, 32, 64, 1, 4, 3, tma=True)
-    elif deferred:
-        config = GemmConfig(64, 64, 128, 4, 4, 5, tma=True) if 64 < m <= 128 and k >= 2048 and n <= 2048 else None
+    elif deferred and k >= 2048 and n <= 2048:
+        if m <= 64:
+            config = None
+        elif m <= 128:
+            config = GemmConfig(64, 64, 128, 4, 4, 5, tma=True)
+        elif m <= 192:
+            config = GemmConfig(64, 32, 128, 4, 4, 3, tma=True)
+        elif m <= 256:
+            config = GemmConfig(64, 64, 128, 2, 4, 5, tma=True)
+        else:
+            config = None
     elif n >= 2 * k and m <= 128:
         config = GemmConfig(64, 64, 128, 1, 4, 5, tma=True)
     elif n >= 2 * k and 448 < m:  # 8.3 vs 7.6 us at 384 rows: cuBLAS below
