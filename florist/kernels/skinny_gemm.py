@@ -211,9 +211,10 @@ def pick_tma(m: int, n: int, k: int, silu_mul: bool = False, deferred: bool = Fa
 
 def tma_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False, gelu: bool = False) -> bool:
     """Host-side checks only (safe in CUDA graphs): the Hopper form can run this product (a
-    Hopper-class device, x and weight laid out as TMA needs, no bias, no GELU)."""
+    Hopper-class device, a Triton with host-side tensor descriptors, x and weight laid out as TMA
+    needs, no bias, no GELU)."""
     return (
-        TMA_ENABLED and bias is None and not gelu and applies(x, weight) and wide_gemm.hopper(x.device)
+        TMA_ENABLED and bias is None and not gelu and wide_gemm.TensorDescriptor is not None and applies(x, weight) and wide_gemm.hopper(x.device)
         and wide_gemm.tma_ok(x) and wide_gemm.tma_ok(weight) and (not silu_mul or weight.is_contiguous())
     )
 
@@ -365,7 +366,7 @@ def _tma_gemm_kernel(x_desc, w_desc, out_ptr, M, N, K_PER_SPLIT, BLOCK_M: tl.con
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
     if PARTIAL:
-        tl.store(out_ptr + pid_k * M * N + offs, acc, mask=mask)
+        tl.store(out_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=mask)
     elif SILU_MUL:
         dtype = out_ptr.dtype.element_ty
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
