@@ -308,7 +308,8 @@ def tma_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, config: Gemm
     K slice s; with split_k > 1 it stores fp32 partials [split_k, M, N] (`SplitKPartials`, summed
     by the norm after it or by `_reduce_kernel`); with SwiGLU one [2, BLOCK_N, BLOCK_K] box brings
     the gate rows n.. and the up rows I + n.. of a K block (as `wide_gemm` does), and the output is
-    rounded as cuBLAS + `silu_and_mul` round it."""
+    rounded as cuBLAS + `silu_and_mul` round it. For skinny shapes: split_k x M x N must stay
+    below 2**31 (the partials' split offset is 32-bit; `pick_tma` stops at 512 rows)."""
     c = config
     m, k = x.shape
     n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
@@ -319,6 +320,7 @@ def tma_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, config: Gemm
     assert not (silu_mul and c.split_k > 1), "activations are not linear in the partial sums: split_k must be 1"
     assert not silu_mul or (weight.shape[0] % 2 == 0 and weight.is_contiguous()), "a merged gate/up weight: contiguous, an even number of rows"
     assert k % (c.split_k * c.block_k) == 0, f"K = {k} must split into {c.split_k} slices of whole {c.block_k}-blocks"
+    assert c.split_k == 1 or c.split_k * m * n_out < 2**31, f"{c.split_k} x {m} x {n_out} partials: too many for the kernel's 32-bit split offset"
     # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
     assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
         f"tensors are on {x.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({x.device}) first"
@@ -366,7 +368,7 @@ def _tma_gemm_kernel(x_desc, w_desc, out_ptr, M, N, K_PER_SPLIT, BLOCK_M: tl.con
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
     if PARTIAL:
-        tl.store(out_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=mask)
+        tl.store(out_ptr + pid_k * M * N + offs, acc, mask=mask)  # NOTE: split_k * M * N < 2**31
     elif SILU_MUL:
         dtype = out_ptr.dtype.element_ty
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
