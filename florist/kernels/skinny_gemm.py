@@ -213,8 +213,13 @@ def tma_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """Host-side checks only (safe in CUDA graphs): the Hopper form can run this product (a
     Hopper-class device, a Triton with host-side tensor descriptors, x and weight laid out as TMA
     needs, no bias, no GELU)."""
+    return applies(x, weight) and _tma_fits(x, weight, bias, silu_mul, gelu)
+
+
+def _tma_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, gelu: bool) -> bool:
+    """`tma_applies` once `applies` holds."""
     return (
-        TMA_ENABLED and bias is None and not gelu and wide_gemm.TensorDescriptor is not None and applies(x, weight) and wide_gemm.hopper(x.device)
+        TMA_ENABLED and bias is None and not gelu and wide_gemm.TensorDescriptor is not None and wide_gemm.hopper(x.device)
         and wide_gemm.tma_ok(x) and wide_gemm.tma_ok(weight) and (not silu_mul or weight.is_contiguous())
     )
 
@@ -238,8 +243,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     With `defer_reduce`, a product that runs split-K returns `SplitKPartials` (the caller's next
     op sums them); every other product returns the tensor as usual."""
     if applies(x, weight):
-        tma = tma_applies(x, weight, bias, silu_mul, gelu)
-        config = config or pick_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul, gelu, defer_reduce, tma)
+        if config is None:
+            tma = _tma_fits(x, weight, bias, silu_mul, gelu)
+            config = pick_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul, gelu, defer_reduce, tma)
         if config is not None and config.tma:
             return tma_gemm(x, weight, silu_mul, config, defer_reduce)
         if config is not None:
