@@ -23,11 +23,9 @@ import argparse
 import atexit
 import functools
 import inspect
-import os
-import re
 import shutil
+import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ import numpy as np
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent / "tests"))  # florist_procs: `florist serve` in a subprocess
 
 # (module, class or None, function, label): the request's path, in the order a request meets it.
 PROBES = [
@@ -80,8 +79,9 @@ def _stamped(fn, label: str, stamps: list):
     return wrapper
 
 
-def serve_stamped(out: str, serve_args: list[str]) -> int:
-    """`florist serve serve_args` with the probes in place; the stamps go to `out` at exit."""
+def serve_stamped(out: str, florist_args: list[str]) -> int:
+    """`florist florist_args` (a `serve` command) with the probes in place; the stamps go to
+    `out` at exit."""
     import importlib
 
     stamps: list[tuple[str, float]] = []
@@ -96,13 +96,15 @@ def serve_stamped(out: str, serve_args: list[str]) -> int:
     atexit.register(dump)
     from florist.cli import main as florist_main
 
-    return florist_main(["serve", *serve_args])
+    return florist_main(florist_args)
 
 
 # -- the client side ---------------------------------------------------------------------------------
 def phases(requests: list[tuple[float, float]], stamps: list[tuple[str, float]]) -> list[tuple[str, float, int]]:
     """(label, median us after the request began, requests that saw it) for each stamp label,
-    its first occurrence inside each request's round trip; sorted by the median."""
+    its first occurrence inside each request's round trip; sorted by the median. An exit stamp
+    ("X <") counts only after its entry ("X >") in the same round trip: one that lands early in
+    a request is the previous request's function returning after its client had the reply."""
     stamps = sorted(stamps, key=lambda s: s[1])
     times = np.array([t for _, t in stamps])
     seen: dict[str, list[float]] = {}
@@ -110,49 +112,27 @@ def phases(requests: list[tuple[float, float]], stamps: list[tuple[str, float]])
         labels = set()
         for i in range(int(np.searchsorted(times, began)), int(np.searchsorted(times, ended))):
             label = stamps[i][0]
+            if label.endswith(" <") and label[:-1] + ">" not in labels:
+                continue
             if label not in labels:
                 labels.add(label)
                 seen.setdefault(label, []).append((stamps[i][1] - began) * 1e6)
     return sorted(((label, float(np.median(v)), len(v)) for label, v in seen.items()), key=lambda r: r[1])
 
 
-def make_model(args, tmp: Path) -> str:
-    if args.model:
-        return args.model
-    import torch
-    from geometries import make_model as make
-
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    path = make(tmp / args.geometry, args.geometry, variant="embed", dtype=dtype)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return str(path)
-
-
 def run(args) -> int:
-    from gateway import HttpClient
+    from florist_procs import serve
+    from gateway import HttpClient, latency_model
 
     from florist.engine.model_dir import read_model_dir
 
     tmp = Path(tempfile.mkdtemp(prefix="florist-bench-phases-"))
-    proc = None
+    server = None
     try:
-        model = make_model(args, tmp)
+        model = latency_model(args, tmp)
         stamps_file = tmp / "stamps.tsv"
-        serve_args = ["--model", model, "--port", "0", "--device", args.device, *(["--in-process"] if args.in_process else []),
-                      *args.serve_flags.split()]
-        proc = subprocess.Popen([sys.executable, __file__, "--serve-stamped", str(stamps_file), "--", *serve_args],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        url, lines, deadline = None, [], time.monotonic() + args.start_timeout
-        for line in proc.stdout:  # NOTE: `florist serve` announces "on http://HOST:PORT" when it is ready
-            lines.append(line)
-            if m := re.search(r"on (http://\S+:\d+)", line):
-                url = m.group(1)
-                break
-            if time.monotonic() > deadline:
-                break
-        if url is None:
-            raise SystemExit("florist serve did not start:\n" + "".join(lines[-40:]))
+        server, url = serve("--model", model, "--device", args.device, *(["--in-process"] if args.in_process else []), *shlex.split(args.serve_flags),
+                            launcher=[sys.executable, __file__, "--serve-stamped", str(stamps_file), "--"])
         vocab = read_model_dir(model).config.vocab_size
         rng = np.random.default_rng(0)
         ids = rng.integers(min(1000, vocab // 4), vocab, size=args.tokens).tolist()
@@ -167,12 +147,13 @@ def run(args) -> int:
             client.embed(body)
             requests.append((began, time.perf_counter()))
         client.close()
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
+        code, server = server.stop(signal.SIGINT, timeout_s=60), None
+        if code != 0:
+            raise SystemExit(f"florist serve exited {code}")
         stamps = [(label, float(t)) for label, t in (line.split("\t") for line in stamps_file.read_text().splitlines())]
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+        if server is not None:
+            server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     rt = np.array([b - a for a, b in requests]) * 1e3
     where = "the engine in the gateway's process" if args.in_process else "the engine in a process of its own (its side not stamped)"
@@ -198,11 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="token ids per request (default 128)")
     p.add_argument("--requests", type=int, default=600, help="timed requests (default 600)")
     p.add_argument("--warmup", type=int, default=150, help="untimed requests first (default 150)")
-    p.add_argument("--start-timeout", type=float, default=600, help="seconds florist serve may take to start")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, a few requests: the code path only")
     args = p.parse_args(argv)
     if args.smoke:
         args.geometry, args.device, args.in_process, args.tokens = "tiny-qwen3", "cpu", True, 16
+    if args.model:
+        args.geometry = None  # latency_model: a model directory, not a geometry
     if args.device is None:
         import torch
 

@@ -22,13 +22,15 @@ atexit.register(shutil.rmtree, RUNTIME_DIR, ignore_errors=True)
 
 
 class FloristProcess:
-    """`python -m florist.cli ARGS`; every output line (stdout and stderr) is kept in `lines`."""
+    """`python -m florist.cli ARGS`; every output line (stdout and stderr) is kept in `lines`.
+    `launcher`: the command before ARGS, if not `python -m florist.cli` (one that ends by calling
+    florist.cli's main with ARGS, e.g. bench/phases.py's stamped server)."""
 
-    def __init__(self, *args: str, env: dict | None = None):
+    def __init__(self, *args: str, env: dict | None = None, launcher: list[str] | None = None):
         self.args = args
         full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), XDG_RUNTIME_DIR=RUNTIME_DIR,
                         **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "florist.cli", *args], cwd=ROOT, env=full_env,
+        self.proc = subprocess.Popen([*(launcher or [sys.executable, "-m", "florist.cli"]), *args], cwd=ROOT, env=full_env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -68,9 +70,9 @@ class FloristProcess:
         return self.proc.returncode
 
 
-def serve(*args: str, env: dict | None = None) -> tuple[FloristProcess, str]:
+def serve(*args: str, env: dict | None = None, launcher: list[str] | None = None) -> tuple[FloristProcess, str]:
     """`florist serve --port 0 ARGS` -> (process, base URL) once it serves."""
-    p = FloristProcess("serve", "--port", "0", *args, env=env)
+    p = FloristProcess("serve", "--port", "0", *args, env=env, launcher=launcher)
     return p, p.wait_for(r"on (http://[\d.]+:\d+)").group(1)
 
 
