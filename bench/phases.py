@@ -14,7 +14,8 @@ stamps that fall inside its round trip are read against the moment the client be
 
 Prints one row per stamp: the median microseconds after the request began, and how many requests
 saw it. With the engine in a process of its own (no --in-process) only the gateway's side is
-stamped: the engine server's share is the gap around "engine client". The stamps cost ~1 us each.
+stamped: the engine server's share is the gap around "engine client". The stamps cost ~1 us each
+(a CUDA step's own phases, from `Engine.step` to the output copy, are a dozen of them).
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ PROBES = [
     ("florist.server.service", "InferenceService", "Embed", "Embed handler"),
     ("florist.server.batcher", "Batcher", "run", "batcher"),
     ("florist.server.batcher", "Batcher", "_launch_next", "step() launch"),
+    ("florist.server.scheduler", "Scheduler", "next_batch", "batch formed"),
+    ("florist.engine.engine", "Engine", "step", "engine step"),
+    ("florist.engine.graph_runner", "GraphRunner", "run", "graph path"),
+    ("florist.engine.staging", "InputStaging", "send", "input copy"),
+    ("torch.cuda", "CUDAGraph", "replay", "graph replay"),
+    ("florist.engine.lazy", "LazyTensor", "from_device", "output copy"),
     ("florist.server.batcher", "Batcher", "_copy_out", "result copied out"),
     ("florist.server.batcher", "Batcher", "_collect", "rows handed over"),
     ("florist.gateway.jsonio", None, "response", "JSON response"),

@@ -245,21 +245,58 @@ def _prefill_layer_chain(rows: int, seed: int):
     return t, forward
 
 
+def _bert_layer_chain(rows: int, seed: int):
+    """all-MiniLM-L6-v2's kernels for one sequence of `rows` tokens, fp16: embeddings +
+    LayerNorm, a layer (cuBLAS qkv and o with their bias, short attention, LayerNorm + residual,
+    the up product with GELU, down, LayerNorm + residual) and mean pooling, on fresh inputs."""
+    from florist.kernels.embeddings import embed_layer_norm
+    from florist.kernels.pooling import segment_mean
+    from florist.kernels.short_attention import short_attention
+    from florist.kernels.skinny_gemm import skinny_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.float16)
+
+    hidden, heads, dim, inter, eps = 384, 12, 32, 1536, 1e-12
+    t = {"ids": torch.randint(0, 1000, (rows,), generator=g, device="cuda", dtype=torch.int32),
+         "pos": torch.arange(rows, device="cuda", dtype=torch.int32), "types": torch.zeros(rows, device="cuda", dtype=torch.int32),
+         "word": rnd(1000, hidden), "pos_table": rnd(512, hidden), "type_table": rnd(2, hidden),
+         "qkv": rnd(3 * hidden, hidden, scale=0.05), "qkv_b": rnd(3 * hidden, scale=0.1), "o": rnd(hidden, hidden, scale=0.05),
+         "o_b": rnd(hidden, scale=0.1), "up": rnd(inter, hidden, scale=0.05), "up_b": rnd(inter, scale=0.1),
+         "down": rnd(hidden, inter, scale=0.03), "down_b": rnd(hidden, scale=0.1),
+         **{f"ln{i}_{p}": rnd(hidden, scale=0.2) + (1 if p == "w" else 0) for i in range(3) for p in ("w", "b")},
+         "cu": torch.tensor([0, rows], dtype=torch.int32, device="cuda")}
+
+    def forward(t):
+        x = embed_layer_norm(t["ids"], t["pos"], t["types"], t["word"], t["pos_table"], t["type_table"], t["ln0_w"], t["ln0_b"], eps)
+        q, k, v = torch.nn.functional.linear(x, t["qkv"], t["qkv_b"]).view(rows, 3, heads, dim).unbind(1)
+        a = short_attention(q, k, v, t["cu"], rows, False, dim ** -0.5).view(rows, hidden)
+        h = norms.add_layer_norm(torch.nn.functional.linear(a, t["o"], t["o_b"]), x, t["ln1_w"], t["ln1_b"], eps)
+        act = skinny_gemm(h, t["up"], t["up_b"], gelu=True)
+        out = norms.add_layer_norm(torch.nn.functional.linear(act, t["down"], t["down_b"]), h, t["ln2_w"], t["ln2_b"], eps)
+        return [x, a, h, act, out, segment_mean(out, t["ids"], t["cu"], rows)]
+
+    return t, forward
+
+
 @pytest.mark.gpu(capability=(9, 0))
-@pytest.mark.parametrize("rows", [37, 128])
-def test_pdl_gives_the_same_bits(rows, monkeypatch):
+@pytest.mark.parametrize("chain, rows", [("qwen3", 37), ("qwen3", 128), ("bert", 37), ("bert", 128)])
+def test_pdl_gives_the_same_bits(chain, rows, monkeypatch):
     """A prefill layer's kernels launched with programmatic dependent launch give the bits they
     give without it: eagerly, and replayed in a CUDA graph on fresh inputs."""
     from florist.kernels import pdl
 
     if pdl.gdc_wait is None:
         pytest.skip("this Triton has no grid dependency control")
+    make = _prefill_layer_chain if chain == "qwen3" else _bert_layer_chain
     monkeypatch.setattr(pdl, "ENABLED", False)
-    static, forward = _prefill_layer_chain(rows, seed=0)
-    fresh, _ = _prefill_layer_chain(rows, seed=1)
+    static, forward = make(rows, seed=0)
+    fresh, _ = make(rows, seed=1)
     want_static, want_fresh = forward(static), forward(fresh)
     monkeypatch.setattr(pdl, "ENABLED", True)
-    assert pdl.launch_args(static["x"])["PDL"]
+    assert pdl.launch_args(static["word" if chain == "bert" else "x"])["PDL"]
     for a, e in zip(forward(static), want_static):
         assert torch.equal(a, e), "eager"
     side = torch.cuda.Stream()
@@ -277,25 +314,22 @@ def test_pdl_gives_the_same_bits(rows, monkeypatch):
         assert torch.equal(a, e), "graph replay"
 
 
-@pytest.mark.parametrize("pdl_on", [True, False])
-def test_pdl_product_compiles_for_hopper(pdl_on):
-    """The product kernel compiles for sm_90 with and without PDL (no GPU needed: Triton's own
-    compiler, to PTX); with it, `griddepcontrol.wait` comes before the first load and the kernel
-    never lets its successor launch early."""
+def _hopper_ptx(fn, names_types: list[tuple[str, str]], const: dict, pdl_on: bool, num_warps: int = 4) -> list[str]:
+    """`fn` compiled for sm_90 by Triton's own compiler (no GPU needed), its PTX lines."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from florist.kernels.skinny_gemm import _gemm_kernel
+    const = {**const, "PDL": pdl_on}
+    signature = {**dict(names_types), **{k: "constexpr" for k in const}}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(list(signature).index(k),): v for k, v in const.items()})
+    options = dict(num_warps=num_warps, **({"launch_pdl": True} if pdl_on else {}))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"].splitlines()
 
-    names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_split", "unused", "up_offset"]
-    types = ["*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 9
-    const = dict(K_PER_SPLIT=768, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, PARTIAL=True, HAS_BIAS=False, SILU_MUL=False, GELU=False,
-                 EVEN_K=True, PDL=pdl_on)
-    signature = {**dict(zip(names, types)), **{k: "constexpr" for k in const}}
-    src = ASTSource(fn=_gemm_kernel, signature=signature, constexprs={(list(signature).index(k),): v for k, v in const.items()})
-    options = dict(num_warps=4, num_stages=4, **({"launch_pdl": True} if pdl_on else {}))
-    lines = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"].splitlines()
+
+def _assert_waits_first(lines: list[str], pdl_on: bool) -> None:
+    """With PDL: one `griddepcontrol.wait`, before the first global load; never an early
+    `launch_dependents`. Without: no grid dependency control at all."""
     wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
     loads = [i for i, line in enumerate(lines) if "ld.global" in line or "cp.async" in line]
     assert loads
@@ -303,3 +337,42 @@ def test_pdl_product_compiles_for_hopper(pdl_on):
     if pdl_on:
         assert wait[0] < loads[0]
     assert not any("griddepcontrol.launch_dependents" in line for line in lines)
+
+
+@pytest.mark.parametrize("pdl_on", [True, False])
+def test_pdl_product_compiles_for_hopper(pdl_on):
+    """The product kernel compiles for sm_90 with and without PDL (no GPU needed: Triton's own
+    compiler, to PTX); with it, `griddepcontrol.wait` comes before the first load and the kernel
+    never lets its successor launch early."""
+    from florist.kernels.skinny_gemm import _gemm_kernel
+
+    names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_split", "unused", "up_offset"]
+    types = ["*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 9
+    const = dict(K_PER_SPLIT=768, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, PARTIAL=True, HAS_BIAS=False, SILU_MUL=False, GELU=False,
+                 EVEN_K=True)
+    _assert_waits_first(_hopper_ptx(_gemm_kernel, list(zip(names, types)), const, pdl_on), pdl_on)
+
+
+@pytest.mark.parametrize("pdl_on", [True, False])
+@pytest.mark.parametrize("kernel", ["layer_norm", "embed_layer_norm", "segment_mean"])
+def test_pdl_bert_kernels_compile_for_hopper(kernel, pdl_on):
+    """BERT's own kernels (LayerNorm + residual, embeddings + LayerNorm, mean pooling) wait
+    under PDL like the rest of a layer's Triton kernels: the wait before their first load."""
+    from florist.kernels import embeddings, pooling
+
+    if kernel == "layer_norm":
+        fn = norms._layer_norm_kernel
+        args = [(n, "*fp16") for n in ("x_ptr", "res_ptr", "w_ptr", "b_ptr", "out_ptr")]
+        args += [(n, "i32") for n in ("num_rows", "num_heads", "stride_xt", "stride_xh", "stride_rt", "stride_rh", "n_cols")] + [("eps", "fp32")]
+        const = dict(HAS_RESIDUAL=True, BLOCK_ROWS=4, BLOCK_COLS=512)
+    elif kernel == "embed_layer_norm":
+        fn = embeddings._embed_layer_norm_kernel
+        args = [(n, "*i32") for n in ("ids_ptr", "pos_ids_ptr", "type_ids_ptr")]
+        args += [(n, "*fp16") for n in ("word_ptr", "pos_ptr", "types_ptr", "w_ptr", "b_ptr", "out_ptr")]
+        args += [("num_tokens", "i32"), ("H", "i32"), ("eps", "fp32")]
+        const = dict(HAS_TYPES=True, BLOCK_ROWS=4, BLOCK_COLS=512)
+    else:
+        fn = pooling._segment_mean_kernel
+        args = [("x_ptr", "*fp16"), ("cu_ptr", "*i32"), ("out_ptr", "*fp32"), ("H", "i32"), ("stride_t", "i32")]
+        const = dict(SPAN=256, BLOCK_T=32, BLOCK_H=128, ATOMIC=True, SQRT_LEN=False)
+    _assert_waits_first(_hopper_ptx(fn, args, const, pdl_on), pdl_on)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import florist
-from florist.engine.batch import HostBatch, pack, to_device, views
+from florist.engine.batch import HostBatch, pack, packed_size, to_device, views
 from florist.engine.graph_runner import bucket, covers, seq_bucket, token_bucket
 
 
@@ -48,6 +48,40 @@ def test_pack_spreads_padding_over_dummies_no_longer_than_asked():
     assert pack(host, 8, 4, longest=3).tolist() == pack(host, 8, 4).tolist()  # one dummy fits: as before
     with pytest.raises(ValueError, match="at most 3 tokens each"):
         pack(host, 12, 4, longest=3)  # 7 padding tokens need three dummies of <= 3
+
+
+def _pack_reference(host: HostBatch, tb: int, bb: int, longest: int | None) -> list[int]:
+    """pack's layout written out sequence by sequence, the padding in dummies of <= longest."""
+    lens = host.seq_lens.tolist()
+    pad = tb - sum(lens)
+    step = max(longest or pad, 1)
+    dummies = [min(step, pad - k * step) for k in range(-(-pad // step))]
+    ids = host.input_ids.tolist() + [0] * pad
+    pos = [p for n in lens + dummies for p in range(n)]
+    seq = [b for b, n in enumerate(lens + dummies) for _ in range(n)]
+    cu = np.cumsum([0] + lens + dummies).tolist()
+    types = [] if host.token_type_ids is None else host.token_type_ids.tolist() + [0] * pad
+    return ids + pos + seq + types + cu + [tb] * (bb + 1 - len(cu))
+
+
+def test_pack_matches_a_plain_layout_on_random_batches():
+    """One sequence (the batch-1 fast path), several, no padding, one dummy and many, with and
+    without token types, into a reused buffer as the staging does."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        num_seqs = 1 if trial % 3 == 0 else int(rng.integers(1, 6))
+        seqs = [rng.integers(1, 1000, size=int(rng.integers(1, 50))) for _ in range(num_seqs)]
+        first = [int(rng.integers(1, len(x) + 1)) for x in seqs] if trial % 2 else None
+        host = HostBatch.from_sequences(seqs, first)
+        t = host.num_tokens
+        pad = [0, int(rng.integers(1, 80))][trial % 4 != 1]
+        longest = None if trial % 5 == 0 else int(rng.integers(max(1, host.max_seqlen), host.max_seqlen + 40))
+        dummies = -(-pad // max(longest or pad, 1))
+        bb = num_seqs + dummies + int(rng.integers(0, 3))
+        out = np.full(packed_size(t + pad, bb, first is not None), -1, dtype=np.int32)
+        got = pack(host, t + pad, bb, out=out, longest=longest)
+        assert got is out
+        assert got.tolist() == _pack_reference(host, t + pad, bb, longest), (trial, host.seq_lens.tolist(), pad, bb, longest)
 
 
 def test_which_graphs_cover_a_batch():

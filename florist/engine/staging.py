@@ -18,12 +18,97 @@ that read it (inputs), or after the host read it (next ids):
 
 On the CPU there is nothing to copy and nothing to wait for: packed inputs are used in place and
 next ids are read as they are, so the same calls run the same logic synchronously.
+
+The copies and the events after them are queued by the CUDA driver directly (`_Driver`,
+`cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync` / `cuEventRecord` through ctypes) on the current stream,
+not by `Tensor.copy_` and `Event.record`: on the H200 host those took 11.8 us per input copy
+(3.5 for the copy, 5.4 for the event record, most of it finding the current stream), the driver
+calls 3.9 us, and a batch-1 step's round trip went 13-14 us down (docs/benchmarks.md, "The
+replay's host path"). Both buffers live as long as the staging object, and the ring's events
+already guard their reuse, so nothing is lost by bypassing torch's pinned-memory allocator,
+whose own events only guard blocks it hands out again. Where the driver library cannot be loaded
+(or FLORIST_RAW_COPIES=0) torch's calls run, with the same effect.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import numpy as np
 import torch
+
+from florist.config import int_from_env
+
+RAW_COPIES = int_from_env("FLORIST_RAW_COPIES", 1) != 0
+
+
+class _Driver:
+    """The three CUDA driver calls the staging copies make, through ctypes (~1 us each)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        u64, ptr, size = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t
+        self.htod = lib.cuMemcpyHtoDAsync_v2
+        self.htod.argtypes, self.htod.restype = [u64, ptr, size, ptr], ctypes.c_int
+        self.dtoh = lib.cuMemcpyDtoHAsync_v2
+        self.dtoh.argtypes, self.dtoh.restype = [ptr, u64, size, ptr], ctypes.c_int
+        self.record = lib.cuEventRecord
+        self.record.argtypes, self.record.restype = [ptr, ptr], ctypes.c_int
+        self.stream = torch._C._cuda_getCurrentRawStream
+
+    def check(self, status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"CUDA driver error {status} in {what}")
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> _Driver | None:
+    """The driver calls, or None (torch's calls then): switched off, a ROCm build, or no
+    libcuda / no raw-stream accessor in this torch."""
+    if not RAW_COPIES or torch.version.hip is not None or not hasattr(torch._C, "_cuda_getCurrentRawStream"):
+        return None
+    try:
+        return _Driver(ctypes.CDLL("libcuda.so.1"))
+    except (OSError, AttributeError):
+        return None
+
+
+def _record(event: torch.cuda.Event, stream: int, driver: _Driver) -> None:
+    """`event.record()` on the current stream; torch creates an event on its first record, so
+    that one goes through torch."""
+    handle = event.cuda_event
+    if handle:
+        driver.check(driver.record(handle, stream), "cuEventRecord")
+    else:
+        event.record()
+
+
+def copy_to_device(dst: torch.Tensor, src: torch.Tensor, event: torch.cuda.Event) -> None:
+    """dst <- src (pinned host, same bytes), then `event`, queued on the current stream. The
+    caller keeps src alive and unchanged until the event has passed."""
+    assert dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous()
+    driver = _driver()
+    if driver is None:
+        dst.copy_(src, non_blocking=True)
+        event.record()
+        return
+    stream = driver.stream(dst.device.index)
+    driver.check(driver.htod(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), stream), "cuMemcpyHtoDAsync")
+    _record(event, stream, driver)
+
+
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor, event: torch.cuda.Event) -> None:
+    """dst (pinned host) <- src (device, same bytes, contiguous), then `event`, queued on the
+    current stream. The caller keeps dst alive until the event has passed."""
+    assert dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous()
+    driver = _driver()
+    if driver is None or not src.is_contiguous():
+        dst.copy_(src, non_blocking=True)
+        event.record()
+        return
+    stream = driver.stream(src.device.index)
+    driver.check(driver.dtoh(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), stream), "cuMemcpyDtoHAsync")
+    _record(event, stream, driver)
 
 
 class InputStaging:
@@ -69,8 +154,7 @@ class InputStaging:
         i = self._slot
         if out is None:
             out = torch.empty(n, dtype=torch.int32, device=self.device)
-        out.copy_(self._pinned[i][:n], non_blocking=True)
-        self._copied[i].record()
+        copy_to_device(out, self._pinned[i][:n], self._copied[i])
         return out
 
     def to_device(self, packed: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,6 +201,5 @@ class TokenReadback:
         if buf is None or buf.numel() < num_seqs:
             buf = self._buffers[i] = torch.empty(max(num_seqs, 8), dtype=ids.dtype, pin_memory=True)
         host = buf[:num_seqs]
-        host.copy_(ids[:num_seqs], non_blocking=True)
-        self._events[i].record()
+        copy_to_host(host, ids[:num_seqs], self._events[i])
         return PendingTokens(host, self._events[i])

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from florist.kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -57,13 +59,15 @@ def embed_layer_norm_triton(ids, positions, type_ids, word, pos, types, weight, 
     _embed_layer_norm_kernel[(triton.cdiv(num_tokens, block_rows),)](
         ids, positions, type_ids if type_ids is not None else ids, word, pos, types, weight, bias, out, num_tokens, h, eps,
         HAS_TYPES=type_ids is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+        **pdl.launch_args(word),
     )
     return out
 
 
 @_jit
 def _embed_layer_norm_kernel(ids_ptr, pos_ids_ptr, type_ids_ptr, word_ptr, pos_ptr, types_ptr, w_ptr, b_ptr, out_ptr, num_tokens, H, eps,
-                             HAS_TYPES: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+                             HAS_TYPES: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr):
+    pdl.pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     row_ok, col_ok = rows < num_tokens, cols < H

@@ -164,6 +164,7 @@ def add_layer_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight
         x, res, weight, bias, out,
         num_rows, num_heads, *_row_strides(x), *_row_strides(res), n_cols, eps,
         HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+        **pdl.launch_args(x),
     )
     return out
 
@@ -344,7 +345,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, b_ptr,
 @_jit
 def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr,
                        num_rows, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
-                       HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+                       HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr):
+    pdl.pdl_wait(PDL)
     rows, cols, col_ok, mask, out_offs = _row_tile(num_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     x = _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, HAS_RESIDUAL)
     x = x.to(tl.float32)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from florist.kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -62,13 +64,16 @@ def segment_mean_triton(hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seql
     _segment_mean_kernel[(b, triton.cdiv(h, _BLOCK_H), splits)](
         hidden, cu_seqlens, out, h, hidden.stride(0),
         SPAN=span, BLOCK_T=_BLOCK_T, BLOCK_H=_BLOCK_H, ATOMIC=splits > 1, SQRT_LEN=sqrt_len, num_warps=4,
+        **pdl.launch_args(hidden),
     )
     return out
 
 
 @_jit
 def _segment_mean_kernel(x_ptr, cu_ptr, out_ptr, H, stride_t,
-                         SPAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ATOMIC: tl.constexpr, SQRT_LEN: tl.constexpr):
+                         SPAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ATOMIC: tl.constexpr, SQRT_LEN: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl.pdl_wait(PDL)
     seq, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_start = tl.load(cu_ptr + seq)
     seq_end = tl.load(cu_ptr + seq + 1)

@@ -1,0 +1,83 @@
+"""Step inputs and next ids between host and device (florist/engine/staging.py): the copies go
+through the CUDA driver where it loads, through torch elsewhere, with the same results."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from florist.engine import staging
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_cpu_staging_uses_the_packed_inputs_in_place():
+    s = staging.InputStaging(torch.device("cpu"))
+    s.buffer(5)[:] = np.arange(5)
+    assert s.send().tolist() == [0, 1, 2, 3, 4]
+    pending = staging.TokenReadback(torch.device("cpu")).start(torch.tensor([7, 8, 9]), 2)
+    assert pending.ready() and pending.tolist() == [7, 8]
+
+
+def test_raw_copies_switch_off_from_the_environment():
+    script = "from florist.engine import staging; print(staging.RAW_COPIES, staging._driver())"
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "FLORIST_RAW_COPIES": "0", "PYTHONPATH": str(ROOT)},
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "None"]
+
+
+def _stall(seconds: float) -> None:
+    torch.cuda._sleep(int(seconds * 2e9))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("raw", [True, False])
+def test_copies_queue_on_the_current_stream_and_carry_the_bytes(raw, monkeypatch):
+    """Odd sizes both ways; each copy and its event wait behind work already queued on the
+    current stream (a side stream here), and the event passes once the copy has landed."""
+    if not raw:
+        monkeypatch.setattr(staging, "_driver", lambda: None)
+    elif staging._driver() is None:
+        pytest.fail("the CUDA driver library did not load on a CUDA machine")
+    rng = np.random.default_rng(0)
+    side = torch.cuda.Stream()
+    # One of each for all sizes: from the second copy on, each records an event that exists
+    # (the first record of a torch event creates it, through torch).
+    s = staging.InputStaging(torch.device("cuda"), ring=1)
+    readback = staging.TokenReadback(torch.device("cuda"))
+    for n in (1, 7, 333, 4099, 2, 5):
+        values = rng.integers(-2**31, 2**31 - 1, size=n, dtype=np.int64).astype(np.int32)
+        with torch.cuda.stream(side):
+            _stall(0.05)
+            s.buffer(n)[:] = values
+            dev = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+            s.send(out=dev)
+            event = s._copied[s._slot]
+            assert not event.query(), "the copy ran ahead of the stream's queued work"
+        side.synchronize()
+        assert event.query()
+        np.testing.assert_array_equal(dev.cpu().numpy(), values)
+
+        ids = torch.from_numpy(values.astype(np.int64)).cuda()
+        with torch.cuda.stream(side):
+            _stall(0.05)
+            pending = readback.start(ids, n)
+            assert not pending.ready()
+        assert pending.tolist() == values.tolist()
+
+
+@pytest.mark.gpu
+def test_copy_to_host_of_a_strided_tensor_goes_through_torch():
+    src = torch.arange(20, dtype=torch.float32, device="cuda").view(4, 5)[:, 1:4]
+    dst = torch.empty((4, 3), dtype=torch.float32, pin_memory=True)
+    event = torch.cuda.Event()
+    staging.copy_to_host(dst, src, event)
+    event.synchronize()
+    assert torch.equal(dst, src.cpu())
