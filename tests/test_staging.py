@@ -81,3 +81,31 @@ def test_copy_to_host_of_a_strided_tensor_goes_through_torch():
     staging.copy_to_host(dst, src, event)
     event.synchronize()
     assert torch.equal(dst, src.cpu())
+
+
+@pytest.mark.gpu
+def test_a_thread_whose_first_cuda_call_is_a_copy():
+    """A new thread has no CUDA context current until its first runtime call; the driver turns a
+    copy down there, and torch's call (which makes the context current) runs it instead."""
+    import threading
+
+    values = np.arange(11, dtype=np.int32)
+    got = {}
+
+    def work():
+        try:
+            s = staging.InputStaging(torch.device("cuda"), ring=1)
+            s.buffer(11)[:] = values
+            dst = torch.empty(11, dtype=torch.int32, device="cuda")
+            s.send(out=dst)
+            s.buffer(11)[:] = values + 1  # waits for the first copy, then copies through the driver
+            s.send(out=dst)
+            got["rows"] = dst.cpu().numpy()
+        except BaseException as e:  # reported below, on the test's thread
+            got["error"] = e
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert "error" not in got, got.get("error")
+    np.testing.assert_array_equal(got["rows"], values + 1)

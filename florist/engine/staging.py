@@ -56,10 +56,6 @@ class _Driver:
         self.record.argtypes, self.record.restype = [ptr, ptr], ctypes.c_int
         self.stream = torch._C._cuda_getCurrentRawStream
 
-    def check(self, status: int, what: str) -> None:
-        if status != 0:
-            raise RuntimeError(f"CUDA driver error {status} in {what}")
-
 
 @functools.lru_cache(maxsize=1)
 def _driver() -> _Driver | None:
@@ -73,14 +69,19 @@ def _driver() -> _Driver | None:
         return None
 
 
-def _record(event: torch.cuda.Event, stream: int, driver: _Driver) -> None:
-    """`event.record()` on the current stream; torch creates an event on its first record, so
-    that one goes through torch."""
+def _raw_copy(copy, dst: int, src: int, nbytes: int, event: torch.cuda.Event, device: torch.device) -> bool:
+    """One driver copy, then `event`, on the current stream of `device`; False if the driver
+    turned the copy down (e.g. no CUDA context made current on this thread yet: a thread whose
+    first CUDA call this is), and nothing was queued. Torch creates an event on its first record,
+    so that record goes through torch."""
+    driver = _driver()
+    stream = driver.stream(device.index)
+    if copy(dst, src, nbytes, stream) != 0:
+        return False
     handle = event.cuda_event
-    if handle:
-        driver.check(driver.record(handle, stream), "cuEventRecord")
-    else:
+    if not handle or driver.record(handle, stream) != 0:
         event.record()
+    return True
 
 
 def copy_to_device(dst: torch.Tensor, src: torch.Tensor, event: torch.cuda.Event) -> None:
@@ -88,27 +89,20 @@ def copy_to_device(dst: torch.Tensor, src: torch.Tensor, event: torch.cuda.Event
     caller keeps src alive and unchanged until the event has passed."""
     assert dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous()
     driver = _driver()
-    if driver is None:
-        dst.copy_(src, non_blocking=True)
+    if driver is None or not _raw_copy(driver.htod, dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), event, dst.device):
+        dst.copy_(src, non_blocking=True)  # torch's calls, which also report any error
         event.record()
-        return
-    stream = driver.stream(dst.device.index)
-    driver.check(driver.htod(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), stream), "cuMemcpyHtoDAsync")
-    _record(event, stream, driver)
 
 
 def copy_to_host(dst: torch.Tensor, src: torch.Tensor, event: torch.cuda.Event) -> None:
-    """dst (pinned host) <- src (device, same bytes, contiguous), then `event`, queued on the
-    current stream. The caller keeps dst alive until the event has passed."""
+    """dst (pinned host) <- src (device, same bytes), then `event`, queued on the current
+    stream. The caller keeps dst alive until the event has passed."""
     assert dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous()
     driver = _driver()
-    if driver is None or not src.is_contiguous():
+    if (driver is None or not src.is_contiguous()
+            or not _raw_copy(driver.dtoh, dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), event, src.device)):
         dst.copy_(src, non_blocking=True)
         event.record()
-        return
-    stream = driver.stream(src.device.index)
-    driver.check(driver.dtoh(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), stream), "cuMemcpyDtoHAsync")
-    _record(event, stream, driver)
 
 
 class InputStaging:
@@ -198,7 +192,7 @@ class TokenReadback:
             return PendingTokens(ids[:num_seqs], None)
         i, self._next = self._next, (self._next + 1) % self.RING
         buf = self._buffers[i]
-        if buf is None or buf.numel() < num_seqs:
+        if buf is None or buf.numel() < num_seqs or buf.dtype != ids.dtype:
             buf = self._buffers[i] = torch.empty(max(num_seqs, 8), dtype=ids.dtype, pin_memory=True)
         host = buf[:num_seqs]
         copy_to_host(host, ids[:num_seqs], self._events[i])
