@@ -54,22 +54,23 @@ def test_copies_queue_on_the_current_stream_and_carry_the_bytes(raw, monkeypatch
     readback = staging.TokenReadback(torch.device("cuda"))
     for n in (1, 7, 333, 4099, 2, 5):
         values = rng.integers(-2**31, 2**31 - 1, size=n, dtype=np.int64).astype(np.int32)
+        # Allocate first: a first pinned or device allocation may wait for the device itself.
+        s.buffer(n)[:] = values
+        dev = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+        ids = torch.from_numpy(values.astype(np.int64)).cuda()
+        for _ in range(readback.RING):
+            readback.start(ids, n).tolist()
+        torch.cuda.synchronize()
         with torch.cuda.stream(side):
             _stall(0.05)
-            s.buffer(n)[:] = values
-            dev = torch.full((n,), -1, dtype=torch.int32, device="cuda")
             s.send(out=dev)
             event = s._copied[s._slot]
-            assert not event.query(), "the copy ran ahead of the stream's queued work"
+            assert not event.query(), f"{n} ids: the copy ran ahead of the stream's queued work"
+            pending = readback.start(ids, n)
+            assert not pending.ready(), f"{n} ids: the read-back ran ahead of the stream's queued work"
         side.synchronize()
         assert event.query()
         np.testing.assert_array_equal(dev.cpu().numpy(), values)
-
-        ids = torch.from_numpy(values.astype(np.int64)).cuda()
-        with torch.cuda.stream(side):
-            _stall(0.05)
-            pending = readback.start(ids, n)
-            assert not pending.ready()
         assert pending.tolist() == values.tolist()
 
 
