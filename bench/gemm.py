@@ -71,6 +71,44 @@ def time_graph(fn, copies: int, replays: int = 20) -> float:
     return time_in_graph(lambda: fn(next(index) % copies), copies, replays)
 
 
+def hbm_weights(n: int, k: int, max_copies: int = 16) -> list[torch.Tensor]:
+    """Distinct copies of an [n, k] bf16 weight, > 200 MB in all (up to max_copies), so that a
+    replay calling the product on each in turn reads its weights from HBM, not from L2."""
+    copies = max(2, min(max_copies, -(-256 * 2**20 // (n * k * 2))))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(copies)]
+
+
+def unfused(x: torch.Tensor, weights: list[torch.Tensor], silu: bool = False, gelu: bool = False):
+    """fn(i): cuBLAS on weights[i], then the SwiGLU kernel (silu) or F.gelu (gelu): the path
+    without florist's products."""
+    def run(i):
+        y = F.linear(x, weights[i])
+        return activation.silu_and_mul(y) if silu else F.gelu(y) if gelu else y
+    return run
+
+
+def check_close(got, ref: torch.Tensor, what: str) -> None:
+    """A product's output (split-K partials reduced) within 2 % of the fp32 reference's largest value."""
+    got = (got.reduce() if hasattr(got, "reduce") else got).float()
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert err < 2e-2, f"{what}: relative error {err}"
+
+
+def sweep_best(configs, product, copies: int):
+    """(us, config) of the fastest of `configs`, product(cfg) giving fn(i); (None, None) for
+    none. A configuration that fails (out of shared memory and the like) is skipped."""
+    best, best_cfg = None, None
+    for cfg in configs:
+        try:
+            t = time_graph(product(cfg), copies, replays=8)
+        except Exception as exc:  # not a candidate
+            print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
+            continue
+        if best is None or t < best:
+            best, best_cfg = t, cfg
+    return best, best_cfg
+
+
 def sweep_configs(m: int, silu_mul: bool) -> list[GemmConfig]:
     out = []
     if m > 64:  # tensor-core tiles over M too: 64 or 128 rows a program, 4 or 8 warps
@@ -125,16 +163,13 @@ def tma_main(args) -> int:
     rows = []
     cfgs = lambda c: "-" if c is None else f"{'tma ' if c.tma else ''}m{c.block_m} n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"  # noqa: E731
     for name, n, k, silu in WIDE_SHAPES:
-        copies = max(2, min(16, -(-256 * 2**20 // (n * k * 2))))  # > 200 MB of weights: they come from HBM
-        weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.05 for _ in range(copies)]
+        weights = hbm_weights(n, k)
+        copies = len(weights)
         defer = name in ("qwen3 o", "qwen3 down")
         for m in args.tma_m:
             x = torch.randn(m, k, device=dev, dtype=dtype)
             ref = skinny_gemm.skinny_gemm_ref(x.float(), weights[0].float(), None, silu)
-
-            def cublas(i):
-                y = F.linear(x, weights[i])
-                return activation.silu_and_mul(y) if silu else y
+            cublas = unfused(x, weights, silu)
 
             def run(cfg):
                 if cfg is None:
@@ -144,10 +179,7 @@ def tma_main(args) -> int:
                 return lambda i: skinny_gemm.skinny_gemm_triton(x, weights[i], None, silu, cfg, False, defer)
 
             def checked(cfg):
-                got = run(cfg)(0)
-                got = (got.reduce() if hasattr(got, "reduce") else got).float()
-                err = ((got - ref).abs().max() / ref.abs().max()).item()
-                assert err < 2e-2, f"{name} M={m} {cfg}: relative error {err}"
+                check_close(run(cfg)(0), ref, f"{name} M={m} {cfg}")
                 return time_graph(run(cfg), copies)
 
             before = skinny_gemm.pick_config(m, n, k, silu, deferred=defer)
@@ -155,16 +187,7 @@ def tma_main(args) -> int:
             t_cublas = time_graph(cublas, copies)
             t_before = checked(before) if before is not None else t_cublas
             t_picked = checked(picked) if picked is not None else t_cublas
-            best, best_cfg = None, None
-            if args.sweep:
-                for cfg in tma_sweep(m, n, k, silu):
-                    try:
-                        t = time_graph(run(cfg), copies, replays=8)
-                    except Exception as exc:  # out of resources and the like: not a candidate
-                        print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
-                        continue
-                    if best is None or t < best:
-                        best, best_cfg = t, cfg
+            best, best_cfg = sweep_best(tma_sweep(m, n, k, silu), run, copies) if args.sweep else (None, None)
             floor = n * k * 2 / PEAK_BYTES_PER_S * 1e6
             rows.append({"shape": name, "m": m, "n": n, "k": k, "floor_us": floor, "cublas_us": t_cublas, "before_us": t_before,
                          "picked_us": t_picked, "picked": picked.__dict__ if picked else None, "best_us": best,
@@ -188,35 +211,24 @@ def wide_main(args) -> int:
     print(f"{'shape':20s} {'M':>6s} {'cublas':>8s} {'picked':>8s} {'best':>8s}  TFLOP/s cublas / picked / best; best config (us per call)", flush=True)
     rows = []
     for name, n, k, silu in WIDE_SHAPES:
-        copies = max(2, min(16, -(-256 * 2**20 // (n * k * 2))))  # > 200 MB of weights: they come from HBM
-        weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.05 for _ in range(copies)]
+        weights = hbm_weights(n, k)
+        copies = len(weights)
         for m in args.wide_m:
             x = torch.randn(m, k, device=dev, dtype=dtype)
             flops = 2 * m * n * k
             epilogue = wide_gemm.SWIGLU if silu else wide_gemm.NONE
+            cublas = unfused(x, weights, silu)
 
-            def cublas(i):
-                y = F.linear(x, weights[i])
-                return activation.silu_and_mul(y) if silu else y
+            def run(cfg):
+                return lambda i: wide_gemm.wide_gemm(x, weights[i], cfg, epilogue)
 
             t_cublas = time_graph(cublas, copies)
             picked = wide_gemm.pick(m) if silu else None
             t_picked = None
             if picked is not None:
-                got, ref = wide_gemm.wide_gemm(x, weights[0], picked, epilogue).float(), cublas(0).float()
-                err = ((got - ref).abs().max() / ref.abs().max()).item()
-                assert err < 2e-2, f"{name} M={m} {picked}: relative error {err}"
-                t_picked = time_graph(lambda i: wide_gemm.wide_gemm(x, weights[i], picked, epilogue), copies)
-            best, best_cfg = None, None
-            if args.sweep:
-                for cfg in wide_sweep(silu):
-                    try:
-                        t = time_graph(lambda i: wide_gemm.wide_gemm(x, weights[i], cfg, epilogue), copies, replays=8)
-                    except Exception as exc:  # out of resources and the like: not a candidate
-                        print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
-                        continue
-                    if best is None or t < best:
-                        best, best_cfg = t, cfg
+                check_close(run(picked)(0), cublas(0).float(), f"{name} M={m} {picked}")
+                t_picked = time_graph(run(picked), copies)
+            best, best_cfg = sweep_best(wide_sweep(silu), run, copies) if args.sweep else (None, None)
             rows.append({"shape": name, "m": m, "n": n, "k": k, "cublas_us": t_cublas, "picked_us": t_picked,
                          "picked": picked.__dict__ if picked else None, "best_us": best, "best": best_cfg.__dict__ if best_cfg else None})
             fmt = lambda v: f"{v:8.1f}" if v is not None else f"{'-':>8s}"  # noqa: E731
@@ -256,8 +268,8 @@ def main() -> int:
         if prefixes and not any(name.startswith(p) for p in prefixes):
             continue
         weight_bytes = n * k * 2
-        copies = max(2, min(64, -(-256 * 2**20 // weight_bytes)))
-        weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.05 for _ in range(copies)]
+        weights = hbm_weights(n, k, max_copies=64)
+        copies = len(weights)
         gelu = name.endswith("+gelu")
         # o_proj and down_proj run split-K with the reduction left to the norm after them
         # (RowParallelLinear.forward_deferred): picked and swept that way.
@@ -265,32 +277,19 @@ def main() -> int:
         for m in args.m:
             x = torch.randn(m, k, device=dev, dtype=dtype)
             ref = skinny_gemm.skinny_gemm_ref(x.float(), weights[0].float(), None, silu, gelu)
+            cublas = unfused(x, weights, silu, gelu)
 
-            def cublas(i):
-                y = F.linear(x, weights[i])
-                return activation.silu_and_mul(y) if silu else F.gelu(y) if gelu else y
-
-            def product(i, cfg):
-                return skinny_gemm.skinny_gemm_triton(x, weights[i], None, silu, cfg, gelu, defer)
+            def run(cfg):
+                return lambda i: skinny_gemm.skinny_gemm_triton(x, weights[i], None, silu, cfg, gelu, defer)
 
             t_cublas = time_graph(cublas, copies)
             picked = skinny_gemm.pick_config(m, n, k, silu, gelu, defer)
             t_picked = None
             if picked is not None:
-                got = skinny_gemm.skinny_gemm_triton(x, weights[0], None, silu, picked, gelu).float()
-                err = ((got - ref).abs().max() / ref.abs().max()).item()
-                assert err < 2e-2, f"{name} M={m} {picked}: relative error {err}"
-                t_picked = time_graph(lambda i: product(i, picked), copies)
-            best, best_cfg = None, None
-            if args.sweep and m in args.sweep_m and "lm_head" not in name:
-                for cfg in sweep_configs(m, silu or gelu):
-                    try:
-                        t = time_graph(lambda i: product(i, cfg), copies, replays=8)
-                    except Exception as exc:  # out of resources and the like: not a candidate
-                        print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
-                        continue
-                    if best is None or t < best:
-                        best, best_cfg = t, cfg
+                check_close(run(picked)(0), ref, f"{name} M={m} {picked}")
+                t_picked = time_graph(run(picked), copies)
+            sweep = args.sweep and m in args.sweep_m and "lm_head" not in name
+            best, best_cfg = sweep_best(sweep_configs(m, silu or gelu), run, copies) if sweep else (None, None)
             floor = weight_bytes / PEAK_BYTES_PER_S * 1e6
             rows.append({"shape": name, "m": m, "n": n, "k": k, "floor_us": floor, "cublas_us": t_cublas, "picked_us": t_picked,
                          "picked": picked.__dict__ if picked else None, "best_us": best, "best": best_cfg.__dict__ if best_cfg else None})

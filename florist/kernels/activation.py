@@ -59,14 +59,31 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 @_jit
+def silu_mul_rounded(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in `dtype`, rounded at the steps torch takes for `silu_and_mul_ref` of a
+    `dtype` tensor: gate and up rounded to dtype (a no-op for values loaded in it; for a product
+    in fp32, cuBLAS' rounding of its output), silu = g / (1 + exp(-g)) in fp32 rounded to dtype,
+    then the multiply. silu(-inf) is NaN as in torch (-inf / inf); a large negative g gives -0."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
+
+@_jit
+def swiglu_tile(acc, BM: tl.constexpr, BN: tl.constexpr, dtype: tl.constexpr):
+    """The SwiGLU epilogue of a product over a [2, BN, BK] weight box (BN gate rows, then the
+    BN matching up rows): acc [BM, 2 BN] fp32 -> silu(gate) * up [BM, BN] in dtype."""
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+    return silu_mul_rounded(gate, up, dtype)
+
+
+@_jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    gate = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + token * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    # As torch: silu = g / (1 + exp(-g)) in fp32, rounded to x's dtype before the multiply.
-    # silu(-inf) is NaN there too (-inf / inf); a large negative g gives -0.
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + token * inter + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + token * stride_x + inter + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + token * inter + cols, silu_mul_rounded(gate, up, out_ptr.dtype.element_ty), mask=mask)

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from florist.kernels import norms, pdl, wide_gemm
-from florist.kernels.activation import silu_and_mul
+from florist.kernels.activation import silu_and_mul, swiglu_tile
 from florist.kernels.launch_counters import LaunchCounters
 from florist.kernels.split_k import SplitKPartials, reduce_partials_triton
 
@@ -375,14 +375,8 @@ def _tma_gemm_kernel(x_desc, w_desc, out_ptr, M, N, K_PER_SPLIT, BLOCK_M: tl.con
     offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
     if PARTIAL:
         tl.store(out_ptr + pid_k * M * N + offs, acc, mask=mask)  # NOTE: split_k * M * N < 2**31
-    elif SILU_MUL:
-        dtype = out_ptr.dtype.element_ty
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-        # cuBLAS' rounding of the product, then activation.silu_and_mul's steps (as wide_gemm).
-        gate = gate.to(dtype).to(tl.float32)
-        up = up.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        tl.store(out_ptr + offs, (act * up).to(dtype), mask=mask)
+    elif SILU_MUL:  # cuBLAS' rounding of the product, then activation.silu_and_mul's steps
+        tl.store(out_ptr + offs, swiglu_tile(acc, BLOCK_M, BLOCK_N, out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from florist.kernels.activation import swiglu_tile
+
 try:
     import triton
     import triton.language as tl
@@ -197,12 +199,7 @@ def _wide_gemm_kernel(x_desc, w_desc, out_desc, M, N, K, BM: tl.constexpr, BN: t
                 w = w_desc.load([pid_n * BN, k])
             acc = tl.dot(x, w.T, acc)
         dtype = out_desc.dtype
-        if EPILOGUE == 1:
-            gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
-            # cuBLAS' rounding of the product, then activation.silu_and_mul's steps.
-            gate = gate.to(dtype).to(tl.float32)
-            up = up.to(dtype).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            out_desc.store([pid_m * BM, pid_n * BN], (act * up).to(dtype))
+        if EPILOGUE == 1:  # cuBLAS' rounding of the product, then activation.silu_and_mul's steps
+            out_desc.store([pid_m * BM, pid_n * BN], swiglu_tile(acc, BM, BN, dtype))
         else:
             out_desc.store([pid_m * BM, pid_n * BN], acc.to(dtype))
