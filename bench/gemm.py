@@ -28,6 +28,12 @@ kernel), what ran before it (`pick_config` without it: the pointer kernel or cuB
 `pick_tma`'s table was read from). o and down are timed split-K with the reduction deferred.
 
     python bench/gemm.py --tma [--tma-m 64 128 192 256 384 512] [--sweep]
+
+--qkv-rope times Qwen3-0.6B's qkv product with QK-norm + rotary: the two launches the model ran
+(`skinny_gemm`'s choice, then `rotary.qk_norm_rope`) against one (florist/kernels/qkv_rope.py),
+its picked configuration and with --sweep the best of its configurations, at the --tma-m rows.
+
+    python bench/gemm.py --qkv-rope [--tma-m 64 128 256 512] [--sweep]
 """
 
 from __future__ import annotations
@@ -205,6 +211,61 @@ def tma_main(args) -> int:
     return 0
 
 
+def qkv_rope_sweep(m: int) -> list[GemmConfig]:
+    """The fused qkv + QK-norm + rotary's configurations that fit the SM's shared memory (a tile
+    is one head of 128 columns)."""
+    out = []
+    for bm, bk, warps, stages in itertools.product((64, 128) if m > 64 else (64,), (64, 128), (4, 8), (2, 3, 4, 5)):
+        if stages * (bm + 128) * bk * 2 <= 200_000:
+            out.append(GemmConfig(bm, 128, bk, 1, warps, stages, tma=True))
+    return out
+
+
+def qkv_rope_main(args) -> int:
+    """Qwen3-0.6B's qkv product + QK-norm + rotary: as the model ran them (`skinny_gemm`'s pick, then
+    the rotary kernel) against one launch (`qkv_rope`)."""
+    from florist.kernels import qkv_rope, rotary
+    from florist.layers.rotary import RotaryEmbedding
+
+    dtype, dev = torch.bfloat16, "cuda"
+    hq, hk, d, k = 16, 8, 128, 1024
+    cache = RotaryEmbedding(d, 40960, 1e6).cos_sin_cache.to(dev)
+    q_w, k_w = (torch.rand(d, device=dev, dtype=dtype) + 0.5 for _ in range(2))
+    weights = hbm_weights((hq + 2 * hk) * d, k)
+    copies = len(weights)
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
+    print(f"{'M':>4s} {'two launches':>13s} {'picked':>8s} {'best':>8s}  picked / best config (us per call)", flush=True)
+    rows = []
+    cfgs = lambda c: "-" if c is None else f"m{c.block_m} k{c.block_k} w{c.num_warps} st{c.num_stages}"  # noqa: E731
+    for m in args.tma_m:
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        pos = torch.arange(m, dtype=torch.int32, device=dev)
+
+        def two(i):
+            q, kk, v = skinny_gemm.skinny_gemm(x, weights[i]).split([hq * d, hk * d, hk * d], dim=-1)
+            q, kk = rotary.qk_norm_rope(q.view(m, hq, d), kk.view(m, hk, d), q_w, k_w, 1e-6, pos, cache)
+            return q, kk, v
+
+        def run(cfg):
+            return lambda i: qkv_rope.qkv_norm_rope_triton(x, weights[i], q_w, k_w, 1e-6, pos, cache, hq, hk, cfg)
+
+        picked = qkv_rope.pick(m, d)
+        want = two(0)
+        if picked is not None:
+            for got, ref in zip(run(picked)(0), want):
+                check_close(got.reshape(m, -1), ref.reshape(m, -1).float(), f"qkv+rope M={m} {picked}")
+        t_two = time_graph(two, copies)
+        t_picked = time_graph(run(picked), copies) if picked is not None else None
+        best, best_cfg = sweep_best(qkv_rope_sweep(m), run, copies) if args.sweep else (None, None)
+        rows.append({"m": m, "two_launches_us": t_two, "picked_us": t_picked, "picked": picked.__dict__ if picked else None,
+                     "best_us": best, "best": best_cfg.__dict__ if best_cfg else None})
+        fmt = lambda v: f"{v:8.2f}" if v is not None else f"{'-':>8s}"  # noqa: E731
+        print(f"{m:4d} {t_two:13.2f} {fmt(t_picked)} {fmt(best)}  {cfgs(picked)} / {cfgs(best_cfg)}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def wide_main(args) -> int:
     dtype, dev = torch.bfloat16, "cuda"
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
@@ -253,7 +314,10 @@ def main() -> int:
     ap.add_argument("--wide-m", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384], help="row counts for --wide")
     ap.add_argument("--tma", action="store_true", help="time the Hopper form of the skinny product (operands by TMA) instead")
     ap.add_argument("--tma-m", type=int, nargs="+", default=[64, 128, 192, 256, 384, 512], help="row counts for --tma")
+    ap.add_argument("--qkv-rope", action="store_true", help="time qkv + QK-norm + rotary, two launches against one (qkv_rope), at --tma-m rows")
     args = ap.parse_args()
+    if args.qkv_rope:
+        return qkv_rope_main(args)
     if args.wide:
         return wide_main(args)
     if args.tma:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from florist.kernels import activation, embeddings, norms, pooling, rotary, skinny_gemm, split_k
+from florist.kernels import activation, embeddings, norms, pooling, qkv_rope, rotary, skinny_gemm, split_k
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Kernel and reference round at the same steps; they differ by fp32 summation order and
@@ -334,6 +334,44 @@ def _tma_gemm(dtype, m, n, k, config=None, *, silu_mul=False, deferred=False, no
     return case
 
 
+def _qkv_rope(dtype, m, hq, hk, d, k, config=None, *, positions="random", nonfinite=False, strided=False):
+    """The qkv product with QK-norm + rotary in its epilogue against the two launches it replaces,
+    written in torch on the product as the device rounds it (F.linear on fp32 copies, rounded to
+    dtype; then `rotary.qk_norm_rope_ref`), and against the TMA product + the rotary kernel.
+    `config` None: `qkv_rope.pick`'s choice (GPU cases)."""
+    def case(g: Inputs, big: bool):
+        x = g.randn(m, k + 32, dtype=dtype)[:, 16 : 16 + k] if strided else g.randn(m, k, dtype=dtype)
+        w = g.randn((hq + 2 * hk) * d, k, dtype=dtype, scale=0.5)
+        q_w, k_w = g.randn(d, dtype=dtype, scale=0.2) + 1, g.randn(d, dtype=dtype, scale=0.2) + 1
+        pos = g.positions(m, 4096) if positions == "random" else torch.arange(m, dtype=torch.int32, device=g.device)
+        cache = cos_sin_cache(4096, d, g.device)
+        if nonfinite:
+            x[0, 3], x[m - 1, 5] = float("nan"), float("inf")
+        cfg = config or qkv_rope.pick(m, d)
+        assert cfg is not None, f"qkv_rope.pick has nothing for {m} rows: not a case for the kernel"
+        q, kk, v = qkv_rope.qkv_norm_rope_triton(x, w, q_w, k_w, EPS, pos, cache, hq, hk, cfg)
+        assert q.shape == (m, hq, d) and kk.shape == (m, hk, d) and v.shape == (m, hk, d) and q.dtype == dtype
+        product = F.linear(x.float(), w.float()).to(dtype)
+        pq, pk, pv = product.split([hq * d, hk * d, hk * d], dim=-1)
+        want_q, want_k = rotary.qk_norm_rope_ref(pq.reshape(m, hq, d), pk.reshape(m, hk, d), q_w, k_w, EPS, pos, cache)
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+        # The product's last bit (fp32 sums in another order) moves the normalised, rotated values
+        # by about as much: a few of their own ulps.
+        for got, want in ((q, want_q), (kk, want_k)):
+            torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=4 * ulp, atol=8 * ulp, equal_nan=True)
+        torch.testing.assert_close(v.float().cpu(), pv.reshape(m, hk, d).float().cpu(), rtol=2 * ulp, atol=ulp * 0.5 * k**0.5, equal_nan=True)
+        # The two launches on the device: the TMA product (same K blocks), then the rotary kernel.
+        two = skinny_gemm.tma_gemm(x, w, False, skinny_gemm.GemmConfig(cfg.block_m, d // 2, cfg.block_k, 1, cfg.num_warps, cfg.num_stages, tma=True))
+        tq, tk, tv = two.split([hq * d, hk * d, hk * d], dim=-1)
+        uq, uk = rotary.qk_norm_rope_triton(tq.reshape(m, hq, d), tk.reshape(m, hk, d), q_w, k_w, EPS, pos, cache)
+        for got, want in ((q, uq), (kk, uk), (v, tv.reshape(m, hk, d))):
+            assert_matches(got, want)
+        if nonfinite:  # rows without specials stay finite: nothing leaked across rows
+            assert q[1 : m - 1].isfinite().all() and v[1 : m - 1].isfinite().all() and not q[0].isfinite().all()
+
+    return case
+
+
 def _skinny_gemm_add_rms_norm(dtype, m, n, k, splits=None, *, bias=False, nonfinite=False, strided=False, weight_dtype=None):
     """The product + add + RMSNorm launch (few rows) against the two launches it replaces, the
     split-K product's partials and then add_rms_norm on them: bit for bit, the normed output and
@@ -487,6 +525,13 @@ def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
         for m in (40, 64, 128, 449, 512):
             cases[f"skinny_gemm-{name}-picked-tma-qkv-m{m}"] = _tma_gemm(dtype, m, 4096, 1024, nonfinite=m == 128)
         cases[f"skinny_gemm-{name}-picked-tma-o-deferred-m128"] = _tma_gemm(dtype, 128, 1024, 2048, deferred=True)
+        # The qkv product with QK-norm + rotary: rows not a multiple of the tile, a strided x, NaN
+        # and inf; then pick's configurations for Qwen3-0.6B's heads at the rows buckets give.
+        rope = lambda bm, bk, stages: cfg(bm, 64, bk, 1, 4, stages, tma=True)  # noqa: E731
+        cases[f"skinny_gemm-{name}-qkv-rope-odd"] = _qkv_rope(dtype, 37, 4, 2, 64, 128, rope(64, 64, 2))
+        cases[f"skinny_gemm-{name}-qkv-rope-strided-nan-inf"] = _qkv_rope(dtype, 70, 2, 1, 64, 192, rope(64, 64, 2), strided=True, nonfinite=True)
+        for m in (1, 64, 100, 128, 256, 512):
+            cases[f"skinny_gemm-{name}-picked-qkv-rope-m{m}"] = _qkv_rope(dtype, m, 16, 8, 128, 1024, positions="arange" if m % 2 else "random")
         cases[f"skinny_gemm-{name}-picked-tma-down-deferred-m97"] = _tma_gemm(dtype, 97, 1024, 3072, deferred=True, nonfinite=True)
         cases[f"skinny_gemm-{name}-picked-tma-o-deferred-m192"] = _tma_gemm(dtype, 192, 1024, 2048, deferred=True)
         cases[f"skinny_gemm-{name}-picked-tma-down-deferred-m200"] = _tma_gemm(dtype, 200, 1024, 3072, deferred=True)

@@ -187,14 +187,14 @@ def _rope_query_and_store_kv(q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, q_w_ptr,
     src = q_ptr + b.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + dh[None, :]
     q_mask = g_ok[:, None] & dh_ok[None, :]
     q1, q2 = rotary.norm_rope_halves(tl.load(src, mask=q_mask, other=0.0), tl.load(src + HALF, mask=q_mask, other=0.0),
-                              q_w_ptr, k_ptr, dh, dh_ok, HALF, cos, sin, eps, True)
+                              q_w_ptr, k_ptr, dh, dh_ok, HALF, cos[None, :], sin[None, :], eps, True)
     q1 = tl.where(q_mask, q1, 0.0).to(k_ptr.dtype.element_ty)
     q2 = tl.where(q_mask, q2, 0.0).to(k_ptr.dtype.element_ty)
     q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_H, BLOCK_D))  # [q1 | q2] along D
     if s == pos // per_split:
         cols = dh[None, :]  # this kv head's one row, as a [1, D/2] tile per half
         k_src = k_new_ptr + b.to(tl.int64) * stride_kb + h * stride_kh + cols
-        k1, k2 = rotary.norm_rope_halves(tl.load(k_src), tl.load(k_src + HALF), k_w_ptr, k_ptr, dh, dh_ok, HALF, cos, sin, eps, True)
+        k1, k2 = rotary.norm_rope_halves(tl.load(k_src), tl.load(k_src + HALF), k_w_ptr, k_ptr, dh, dh_ok, HALF, cos[None, :], sin[None, :], eps, True)
         row = base + pos.to(tl.int64) * row_stride + cols
         tl.store(k_ptr + row, k1.to(k_ptr.dtype.element_ty))
         tl.store(k_ptr + row + HALF, k2.to(k_ptr.dtype.element_ty))

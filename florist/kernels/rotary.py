@@ -196,16 +196,18 @@ def _rope_heads(x_ptr, out_ptr, w_ptr, token, num_heads, stride_t, stride_h, cos
     src = x_ptr + token.to(tl.int64) * stride_t + heads[:, None] * stride_h + d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + half_dim, mask=mask, other=0.0)
-    out1, out2 = norm_rope_halves(x1, x2, w_ptr, out_ptr, d, d_ok, half_dim, cos, sin, eps, NORM)
+    out1, out2 = norm_rope_halves(x1, x2, w_ptr, out_ptr, d, d_ok, half_dim, cos[None, :], sin[None, :], eps, NORM)
     _store_halves(out_ptr + token.to(tl.int64) * num_heads * (2 * half_dim), heads, d, half_dim, out1, out2, mask)
     return out1, out2, mask
 
 
 @_jit
 def norm_rope_halves(x1, x2, w_ptr, out_ptr, d, d_ok, half_dim, cos, sin, eps, NORM: tl.constexpr):
-    """(QK-norm and) rotary of [heads, D/2] tiles x1, x2 (the two halves of each head, as loaded:
-    x's dtype) -> the rotated halves in fp32, each value already rounded as out_ptr's dtype
-    stores it. Decode attention (florist/kernels/decode_attention.py) runs this same code."""
+    """(QK-norm and) rotary of [rows, D/2] tiles x1, x2 (the two halves of each head, as loaded:
+    x's dtype; a row is a head of one token) -> the rotated halves in fp32, each value already
+    rounded as out_ptr's dtype stores it. cos and sin broadcast against the tiles: [1, D/2] for
+    rows of one token, [rows, D/2] for rows of different tokens. Decode attention
+    (decode_attention.py) and the qkv product's epilogue (qkv_rope.py) run this same code."""
     if NORM:
         # Same rounding steps as rms_norm_ref: normalised value to x's dtype, times the weight,
         # rounded to the output dtype; the rotation then runs in fp32 on those rounded values.
@@ -219,8 +221,8 @@ def norm_rope_halves(x1, x2, w_ptr, out_ptr, d, d_ok, half_dim, cos, sin, eps, N
         f2 = f2.to(out_ptr.dtype.element_ty).to(tl.float32)
     else:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    out1 = f1 * cos[None, :] - f2 * sin[None, :]
-    out2 = f2 * cos[None, :] + f1 * sin[None, :]
+    out1 = f1 * cos - f2 * sin
+    out2 = f2 * cos + f1 * sin
     return out1, out2
 
 

@@ -248,6 +248,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.causal, self.scale, self.backend = causal, head_dim**-0.5, backend
 
+    stores_kv = False  # no KV cache: nothing for the rotary kernel to write besides q and k
+
     def kv_store(self, v: torch.Tensor, batch: RaggedBatch) -> None:
         """Where k/v would be written for later steps: nowhere (no cache; see CachedAttention)."""
         return None

@@ -130,6 +130,8 @@ class CachedAttention(nn.Module):
             raise ValueError(f"cache of shape {tuple(k_cache.shape)} does not hold {self.num_kv_heads} kv heads of {self.head_dim}")
         self.k_cache, self.v_cache = k_cache, v_cache
 
+    stores_kv = True  # the rotary kernel writes each step's k and v into the cache (kv_store)
+
     def kv_store(self, v: torch.Tensor, batch: GenerationBatch) -> KVStore:
         """(v, flat k cache, flat v cache, rows): where this step's k/v go, for a caller that
         writes them itself (Qwen3's QK-norm + rotary kernel does, in the same launch)."""

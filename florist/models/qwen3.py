@@ -11,7 +11,7 @@ from torch import nn
 
 from florist.config import ModelConfig
 from florist.engine.batch import RaggedBatch
-from florist.kernels import decode_layer
+from florist.kernels import decode_layer, qkv_rope
 from florist.kernels.rotary import qk_norm_rope
 from florist.layers.attention import Attention, AttentionFn
 from florist.layers.embedding import VocabParallelEmbedding
@@ -57,6 +57,11 @@ class Qwen3Attention(nn.Module):
         """-> norm(o_proj(attention(x)), residual): (normed, residual). A decode step where the
         attention backend takes the raw q/k/v runs QK-norm, rotary, the KV store and attention in
         one launch (`decode_with_qk_norm_rope`)."""
+        fused = None if self.attn.stores_kv or self.qkv_proj.bias is not None else qkv_rope.qkv_norm_rope(
+            x, self.qkv_proj.weight, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.positions, self.rotary.cos_sin_cache,
+            self.num_heads, self.num_kv_heads)
+        if fused is not None:  # the product, QK-norm and rotary in one launch (Hopper, few rows)
+            return self.o_proj.forward_add_norm(self.attn(*fused, batch, kv_stored=True), residual, norm)
         q, k, v = self._project(x)
         out = self.attn.decode_with_qk_norm_rope(q, k, v, batch, self.q_norm, self.k_norm, self.rotary.cos_sin_cache)
         if out is None:
