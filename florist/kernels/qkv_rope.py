@@ -7,13 +7,15 @@ TMA skinny product's (`skinny_gemm.tma_gemm`), and before the tile is stored a q
 normalised over D (QK-norm) and rotated at each token's position (`rotary.norm_rope_halves`,
 the rotary kernel's own code); a v head is stored as is. q, k and v come back as views of `out`.
 Two launches become one, and q and k are not read back and written again: in the batch-1 graph
-the rotary kernel cost 2.5 us a layer at 128 tokens, 3.5 at 512 (docs/benchmarks.md, "QK-norm +
+the rotary kernel cost 2.5 us a layer at 128 tokens, 3.5 at 512. The epilogue, which nothing
+overlaps after a short K loop, costs about as much at 64-128 rows, so `pick` takes 129-512 rows:
+a 1 x 256 step 0.07-0.09 ms faster, 1 x 512 within the spread (docs/benchmarks.md, "QK-norm +
 rotary in the qkv product's epilogue, again").
 
 Rounding is the two launches': the product rounded to x's dtype (as the skinny product and cuBLAS
 round it), then QK-norm and rotary on those values. The tile must hold a whole head (BLOCK_N =
-D, a power of two up to 256, TMA's box limit), so at few rows there are (Hq + 2 Hk) x M / BLOCK_M
-programs: 64 for Qwen3-0.6B at 128 tokens.
+D, a power of two up to 256, TMA's box limit), so there are (Hq + 2 Hk) x M / BLOCK_M programs:
+128 for Qwen3-0.6B at 256 tokens.
 
 FLORIST_QKV_ROPE=0 runs the product and the rotary kernel apart (for side-by-side measurements).
 """
