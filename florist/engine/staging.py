@@ -23,7 +23,7 @@ The copies and the events after them are queued by the CUDA driver directly (`_D
 `cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync` / `cuEventRecord` through ctypes) on the current stream,
 not by `Tensor.copy_` and `Event.record`: on the H200 host those took 11.8 us per input copy
 (3.5 for the copy, 5.4 for the event record, most of it finding the current stream), the driver
-calls 3.9 us, and a batch-1 step's round trip went 13-14 us down (docs/benchmarks.md, "The
+calls 3.9 us, and a batch-1 step's round trip went 8-17 us down (docs/benchmarks.md, "The
 replay's host path"). Both buffers live as long as the staging object, and the ring's events
 already guard their reuse, so nothing is lost by bypassing torch's pinned-memory allocator,
 whose own events only guard blocks it hands out again. Where the driver library cannot be loaded
