@@ -316,6 +316,9 @@ def main() -> int:
     ap.add_argument("--tma-m", type=int, nargs="+", default=[64, 128, 192, 256, 384, 512], help="row counts for --tma")
     ap.add_argument("--qkv-rope", action="store_true", help="time qkv + QK-norm + rotary, two launches against one (qkv_rope), at --tma-m rows")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gemm.py needs CUDA: it times GPU kernels in CUDA graphs")
+        return 1
     if args.qkv_rope:
         return qkv_rope_main(args)
     if args.wide:
