@@ -3,6 +3,7 @@ through the CUDA driver where it loads, through torch elsewhere, with the same r
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -31,6 +32,60 @@ def test_raw_copies_switch_off_from_the_environment():
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["False", "None"]
+
+
+class _FakeEvent:
+    """A torch.cuda.Event's surface: the handle (0 until torch's first record creates it)."""
+
+    def __init__(self, handle: int):
+        self.cuda_event, self.torch_records = handle, 0
+
+    def record(self):
+        self.torch_records += 1
+        self.cuda_event = self.cuda_event or 99
+
+
+class _FakeDriver:
+    """The driver calls on CPU tensors: a copy is a memmove of the bytes, or turned down."""
+
+    def __init__(self, refuse_copies: bool = False, refuse_records: bool = False):
+        self.refuse_copies, self.refuse_records = refuse_copies, refuse_records
+        self.calls = []
+
+    def stream(self, index):
+        return 1234
+
+    def _copy(self, dst, src, nbytes, stream):
+        self.calls.append(("copy", stream))
+        if self.refuse_copies:
+            return 201  # CUDA_ERROR_INVALID_CONTEXT
+        ctypes.memmove(dst, src, nbytes)
+        return 0
+
+    htod = dtoh = _copy
+
+    def record(self, handle, stream):
+        self.calls.append(("record", handle, stream))
+        return 1 if self.refuse_records else 0
+
+
+@pytest.mark.parametrize("to_device", [True, False])
+@pytest.mark.parametrize("refuse_copies, refuse_records, handle", [(False, False, 7), (False, False, 0), (True, False, 7), (False, True, 7)])
+def test_the_driver_path_and_its_fallbacks(monkeypatch, to_device, refuse_copies, refuse_records, handle):
+    """Copies the driver takes are queued on the current stream with the event after them
+    (through torch while the event has no handle yet, or if the driver refuses the record); a
+    copy the driver turns down goes through torch's calls instead. The bytes land either way."""
+    driver = _FakeDriver(refuse_copies, refuse_records)
+    monkeypatch.setattr(staging, "_driver", lambda: driver)
+    src, dst, event = torch.arange(9, dtype=torch.int32), torch.zeros(9, dtype=torch.int32), _FakeEvent(handle)
+    (staging.copy_to_device if to_device else staging.copy_to_host)(dst, src, event)
+    assert torch.equal(dst, src)
+    if refuse_copies:
+        assert driver.calls == [("copy", 1234)] and event.torch_records == 1
+    elif handle == 0:
+        assert driver.calls == [("copy", 1234)] and event.torch_records == 1
+    else:
+        assert driver.calls == [("copy", 1234), ("record", handle, 1234)] and event.torch_records == (1 if refuse_records else 0)
 
 
 def _stall(seconds: float) -> None:

@@ -69,12 +69,11 @@ def _driver() -> _Driver | None:
         return None
 
 
-def _raw_copy(copy, dst: int, src: int, nbytes: int, event: torch.cuda.Event, device: torch.device) -> bool:
-    """One driver copy, then `event`, on the current stream of `device`; False if the driver
-    turned the copy down (e.g. no CUDA context made current on this thread yet: a thread whose
-    first CUDA call this is), and nothing was queued. Torch creates an event on its first record,
-    so that record goes through torch."""
-    driver = _driver()
+def _raw_copy(driver: _Driver, copy, dst: int, src: int, nbytes: int, event: torch.cuda.Event, device: torch.device) -> bool:
+    """One driver copy (`copy`: driver.htod or driver.dtoh), then `event`, on the current stream of
+    `device`; False if the driver turned the copy down (e.g. no CUDA context made current on this
+    thread yet: a thread whose first CUDA call this is), and nothing was queued. Torch creates an
+    event on its first record, so that record goes through torch."""
     stream = driver.stream(device.index)
     if copy(dst, src, nbytes, stream) != 0:
         return False
@@ -89,7 +88,7 @@ def copy_to_device(dst: torch.Tensor, src: torch.Tensor, event: torch.cuda.Event
     caller keeps src alive and unchanged until the event has passed."""
     assert dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous()
     driver = _driver()
-    if driver is None or not _raw_copy(driver.htod, dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), event, dst.device):
+    if driver is None or not _raw_copy(driver, driver.htod, dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), event, dst.device):
         dst.copy_(src, non_blocking=True)  # torch's calls, which also report any error
         event.record()
 
@@ -100,7 +99,7 @@ def copy_to_host(dst: torch.Tensor, src: torch.Tensor, event: torch.cuda.Event) 
     assert dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous()
     driver = _driver()
     if (driver is None or not src.is_contiguous()
-            or not _raw_copy(driver.dtoh, dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), event, src.device)):
+            or not _raw_copy(driver, driver.dtoh, dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), event, src.device)):
         dst.copy_(src, non_blocking=True)
         event.record()
 
