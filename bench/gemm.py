@@ -100,6 +100,16 @@ def check_close(got, ref: torch.Tensor, what: str) -> None:
     assert err < 2e-2, f"{what}: relative error {err}"
 
 
+def fmt_us(v: float | None, width: int = 8, digits: int = 2) -> str:
+    """A time (or any figure) right-aligned in `width`, "-" where there is none."""
+    return f"{v:{width}.{digits}f}" if v is not None else f"{'-':>{width}s}"
+
+
+def config_label(c: GemmConfig | None) -> str:
+    """A product configuration in a table row: tiles, split, warps, stages ("-" for none)."""
+    return "-" if c is None else f"{'tma ' if c.tma else ''}m{c.block_m} n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
+
+
 def sweep_best(configs, product, copies: int):
     """(us, config) of the fastest of `configs`, product(cfg) giving fn(i); (None, None) for
     none. A configuration that fails (out of shared memory and the like) is skipped."""
@@ -167,7 +177,6 @@ def tma_main(args) -> int:
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
     print(f"{'shape':20s} {'M':>4s} {'floor':>6s} {'cublas':>7s} {'before':>7s} {'picked':>7s} {'best':>7s}  picked / best config (us per call)", flush=True)
     rows = []
-    cfgs = lambda c: "-" if c is None else f"{'tma ' if c.tma else ''}m{c.block_m} n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"  # noqa: E731
     for name, n, k, silu in WIDE_SHAPES:
         weights = hbm_weights(n, k)
         copies = len(weights)
@@ -198,8 +207,8 @@ def tma_main(args) -> int:
             rows.append({"shape": name, "m": m, "n": n, "k": k, "floor_us": floor, "cublas_us": t_cublas, "before_us": t_before,
                          "picked_us": t_picked, "picked": picked.__dict__ if picked else None, "best_us": best,
                          "best": best_cfg.__dict__ if best_cfg else None})
-            fmt = lambda v: f"{v:7.2f}" if v is not None else f"{'-':>7s}"  # noqa: E731
-            print(f"{name:20s} {m:4d} {floor:6.2f} {fmt(t_cublas)} {fmt(t_before)} {fmt(t_picked)} {fmt(best)}  {cfgs(picked)} / {cfgs(best_cfg)}", flush=True)
+            times = " ".join(fmt_us(v, 7) for v in (t_cublas, t_before, t_picked, best))
+            print(f"{name:20s} {m:4d} {floor:6.2f} {times}  {config_label(picked)} / {config_label(best_cfg)}", flush=True)
         del weights
         torch.cuda.empty_cache()
     print("\nQwen3-0.6B layer (qkv + o + gate_up+silu + down), us: before / picked")
@@ -236,7 +245,6 @@ def qkv_rope_main(args) -> int:
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
     print(f"{'M':>4s} {'two launches':>13s} {'picked':>8s} {'best':>8s}  picked / best config (us per call)", flush=True)
     rows = []
-    cfgs = lambda c: "-" if c is None else f"m{c.block_m} k{c.block_k} w{c.num_warps} st{c.num_stages}"  # noqa: E731
     for m in args.tma_m:
         x = torch.randn(m, k, device=dev, dtype=dtype)
         pos = torch.arange(m, dtype=torch.int32, device=dev)
@@ -259,8 +267,7 @@ def qkv_rope_main(args) -> int:
         best, best_cfg = sweep_best(qkv_rope_sweep(m), run, copies) if args.sweep else (None, None)
         rows.append({"m": m, "two_launches_us": t_two, "picked_us": t_picked, "picked": picked.__dict__ if picked else None,
                      "best_us": best, "best": best_cfg.__dict__ if best_cfg else None})
-        fmt = lambda v: f"{v:8.2f}" if v is not None else f"{'-':>8s}"  # noqa: E731
-        print(f"{m:4d} {t_two:13.2f} {fmt(t_picked)} {fmt(best)}  {cfgs(picked)} / {cfgs(best_cfg)}", flush=True)
+        print(f"{m:4d} {t_two:13.2f} {fmt_us(t_picked)} {fmt_us(best)}  {config_label(picked)} / {config_label(best_cfg)}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
@@ -292,10 +299,9 @@ def wide_main(args) -> int:
             best, best_cfg = sweep_best(wide_sweep(silu), run, copies) if args.sweep else (None, None)
             rows.append({"shape": name, "m": m, "n": n, "k": k, "cublas_us": t_cublas, "picked_us": t_picked,
                          "picked": picked.__dict__ if picked else None, "best_us": best, "best": best_cfg.__dict__ if best_cfg else None})
-            fmt = lambda v: f"{v:8.1f}" if v is not None else f"{'-':>8s}"  # noqa: E731
             tf = lambda v: f"{flops / v / 1e6:4.0f}" if v else "   -"  # noqa: E731
             cfg_s = "-" if best_cfg is None else f"m{best_cfg.block_m} n{best_cfg.block_n} k{best_cfg.block_k} w{best_cfg.num_warps} st{best_cfg.num_stages}"
-            print(f"{name:20s} {m:6d} {fmt(t_cublas)} {fmt(t_picked)} {fmt(best)}  {tf(t_cublas)} / {tf(t_picked)} / {tf(best)}; {cfg_s}", flush=True)
+            print(f"{name:20s} {m:6d} {fmt_us(t_cublas, 8, 1)} {fmt_us(t_picked, 8, 1)} {fmt_us(best, 8, 1)}  {tf(t_cublas)} / {tf(t_picked)} / {tf(best)}; {cfg_s}", flush=True)
         del weights
         torch.cuda.empty_cache()
     if args.json:
@@ -360,9 +366,8 @@ def main() -> int:
             floor = weight_bytes / PEAK_BYTES_PER_S * 1e6
             rows.append({"shape": name, "m": m, "n": n, "k": k, "floor_us": floor, "cublas_us": t_cublas, "picked_us": t_picked,
                          "picked": picked.__dict__ if picked else None, "best_us": best, "best": best_cfg.__dict__ if best_cfg else None})
-            fmt = lambda v: f"{v:8.2f}" if v is not None else f"{'-':>8s}"  # noqa: E731
-            cfgs = lambda c: "-" if c is None else f"m{c.block_m} n{c.block_n} k{c.block_k} s{c.split_k} st{c.num_stages} w{c.num_warps}"  # noqa: E731
-            print(f"{name:20s} {m:4d} {floor:7.2f} {fmt(t_cublas)} {fmt(t_picked)} {fmt(best)}  {cfgs(best_cfg)} / {cfgs(picked)}", flush=True)
+            times = " ".join(fmt_us(v) for v in (t_cublas, t_picked, best))
+            print(f"{name:20s} {m:4d} {floor:7.2f} {times}  {config_label(best_cfg)} / {config_label(picked)}", flush=True)
         del weights
         torch.cuda.empty_cache()
     if args.json:

@@ -100,11 +100,8 @@ def qkv_norm_rope_triton(x, weight, q_weight, k_weight, eps: float, positions, c
         f"weight {tuple(weight.shape)} {weight.dtype} must hold {num_q_heads} q, {num_kv_heads} k and {num_kv_heads} v heads of {d} for x {x.dtype}"
     )
     assert c.block_n == d and d in (64, 128, 256), f"a tile holds one head: block_n {c.block_n} must be head_dim {d} (64, 128 or 256)"
-    assert c.split_k == 1 and k % c.block_k == 0, f"K = {k} in whole {c.block_k}-blocks, not split"
-    assert wide_gemm.tma_ok(x) and wide_gemm.tma_ok(weight), "TMA needs the last dim contiguous and 16-byte aligned rows and bases"
-    assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
-        f"tensors are on {x.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({x.device}) first"
-    )
+    assert c.split_k == 1, "a tile is a whole head's: K not split"
+    skinny_gemm.check_tma(x, weight, c)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m > 0:
         _qkv_rope_kernel[(num_q_heads + 2 * num_kv_heads, triton.cdiv(m, c.block_m))](
@@ -121,12 +118,9 @@ def _qkv_rope_kernel(x_desc, w_desc, out_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_p
                      BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl.pdl_wait(PDL)
     head, pid_m = tl.program_id(0), tl.program_id(1)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    # TMA fills rows past M with zeros; their outputs are masked on store.
-    for k in range(0, K, BLOCK_K):
-        x = x_desc.load([pid_m * BLOCK_M, k])
-        w = w_desc.load([head * HEAD_DIM, k])
-        acc = tl.dot(x, w.T, acc)
+    # Rows past M come in as zeros; their outputs are masked on store.
+    acc = skinny_gemm.tma_k_slice(x_desc, w_desc, tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32), pid_m * BLOCK_M, head * HEAD_DIM,
+                                  0, K, HEAD_DIM, BLOCK_K, False)
     HALF: tl.constexpr = HEAD_DIM // 2
     dtype = out_ptr.dtype.element_ty
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

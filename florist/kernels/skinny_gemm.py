@@ -319,18 +319,7 @@ def tma_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, config: Gemm
     c = config
     m, k = x.shape
     n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    assert x.dtype in _DTYPES and weight.dtype == x.dtype and x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == k, (
-        f"unsupported input: x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}"
-    )
-    assert wide_gemm.tma_ok(x) and wide_gemm.tma_ok(weight), "TMA needs the last dim contiguous and 16-byte aligned rows and bases"
-    assert not (silu_mul and c.split_k > 1), "activations are not linear in the partial sums: split_k must be 1"
-    assert not silu_mul or (weight.shape[0] % 2 == 0 and weight.is_contiguous()), "a merged gate/up weight: contiguous, an even number of rows"
-    assert k % (c.split_k * c.block_k) == 0, f"K = {k} must split into {c.split_k} slices of whole {c.block_k}-blocks"
-    assert c.split_k == 1 or c.split_k * m * n_out < 2**31, f"{c.split_k} x {m} x {n_out} partials: too many for the kernel's 32-bit split offset"
-    # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
-    assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
-        f"tensors are on {x.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({x.device}) first"
-    )
+    check_tma(x, weight, c, silu_mul)
     if m == 0 or n_out == 0:
         return torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if silu_mul:
@@ -351,6 +340,41 @@ def tma_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, config: Gemm
     return product if defer_reduce else reduce_partials_triton(product)
 
 
+def check_tma(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, silu_mul: bool = False) -> None:
+    """The TMA products' input checks (`tma_gemm`, `qkv_rope.qkv_norm_rope_triton`)."""
+    c = config
+    m, k = x.shape
+    n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    assert x.dtype in _DTYPES and weight.dtype == x.dtype and x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == k, (
+        f"unsupported input: x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}"
+    )
+    assert wide_gemm.tma_ok(x) and wide_gemm.tma_ok(weight), "TMA needs the last dim contiguous and 16-byte aligned rows and bases"
+    assert not (silu_mul and c.split_k > 1), "activations are not linear in the partial sums: split_k must be 1"
+    assert not silu_mul or (weight.shape[0] % 2 == 0 and weight.is_contiguous()), "a merged gate/up weight: contiguous, an even number of rows"
+    assert k % (c.split_k * c.block_k) == 0, f"K = {k} must split into {c.split_k} slices of whole {c.block_k}-blocks"
+    assert c.split_k == 1 or c.split_k * m * n_out < 2**31, f"{c.split_k} x {m} x {n_out} partials: too many for the kernel's 32-bit split offset"
+    # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
+    assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
+        f"tensors are on {x.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({x.device}) first"
+    )
+
+
+@_jit
+def tma_k_slice(x_desc, w_desc, acc, row, col, k_start, k_len, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    """acc + x[row.., K slice] @ w[col.., K slice].T over k_start .. k_start + k_len, both tiles
+    brought in by TMA (which fills rows past the tensors' ends with zeros). With SILU_MUL, w_desc
+    is the [2, I, K] view of a merged gate/up weight and the w tile is [gate rows | up rows].
+    Every TMA product (this module's, qkv_rope's) runs this loop."""
+    for k in range(k_start, k_start + k_len, BLOCK_K):
+        x = x_desc.load([row, k])
+        if SILU_MUL:  # [2, BLOCK_N, BLOCK_K]: the gate rows, then the matching up rows
+            w = tl.reshape(w_desc.load([0, col, k]), (2 * BLOCK_N, BLOCK_K))
+        else:
+            w = w_desc.load([col, k])
+        acc = tl.dot(x, w.T, acc)
+    return acc
+
+
 @_jit
 def _tma_gemm_kernel(x_desc, w_desc, out_ptr, M, N, K_PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PARTIAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
@@ -360,15 +384,8 @@ def _tma_gemm_kernel(x_desc, w_desc, out_ptr, M, N, K_PER_SPLIT, BLOCK_M: tl.con
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # TMA fills rows past M (and columns past N) with zeros; their outputs are masked on store.
-    k_start = pid_k * K_PER_SPLIT
-    for k in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-        x = x_desc.load([pid_m * BLOCK_M, k])
-        if SILU_MUL:  # [2, BLOCK_N, BLOCK_K]: the gate rows, then the matching up rows
-            w = tl.reshape(w_desc.load([0, pid_n * BLOCK_N, k]), (2 * BLOCK_N, BLOCK_K))
-        else:
-            w = w_desc.load([pid_n * BLOCK_N, k])
-        acc = tl.dot(x, w.T, acc)
+    # Rows past M (and columns past N) come in as zeros; their outputs are masked on store.
+    acc = tma_k_slice(x_desc, w_desc, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_k * K_PER_SPLIT, K_PER_SPLIT, BLOCK_N, BLOCK_K, SILU_MUL)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
