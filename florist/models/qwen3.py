@@ -61,11 +61,12 @@ class Qwen3Attention(nn.Module):
             x, self.qkv_proj.weight, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.positions, self.rotary.cos_sin_cache,
             self.num_heads, self.num_kv_heads)
         if fused is not None:  # the product, QK-norm and rotary in one launch (Hopper, few rows)
-            return self.o_proj.forward_add_norm(self.attn(*fused, batch, kv_stored=True), residual, norm)
-        q, k, v = self._project(x)
-        out = self.attn.decode_with_qk_norm_rope(q, k, v, batch, self.q_norm, self.k_norm, self.rotary.cos_sin_cache)
-        if out is None:
-            out = self.attn(*self._norm_rope(q, k, v, batch), batch, kv_stored=True)
+            out = self.attn(*fused, batch, kv_stored=True)
+        else:
+            q, k, v = self._project(x)
+            out = self.attn.decode_with_qk_norm_rope(q, k, v, batch, self.q_norm, self.k_norm, self.rotary.cos_sin_cache)
+            if out is None:
+                out = self.attn(*self._norm_rope(q, k, v, batch), batch, kv_stored=True)
         return self.o_proj.forward_add_norm(out, residual, norm)
 
     def forward_last(self, x: torch.Tensor, batch: RaggedBatch, last: torch.Tensor, residual: torch.Tensor,
