@@ -118,6 +118,10 @@ def _build_cases():
     cases["fp16-one-token"] = _case(torch.float16, [1], 2, 1, 128, True, pad=63)  # a 64-token bucket with one real token
     # Tile overrides (bench/attention.py --sweep): query and key tiles other than the defaults.
     cases["fp16-causal-tiles-16x16"] = _case(torch.float16, [1, 7, 33, 100], 4, 2, 32, True, launch=dict(blocks=(16, 16), num_warps=2, num_stages=1))
+    # Head widths under the tile's (D = 24 in 32 columns) over several whole key tiles: the head-dim
+    # mask must hold on every tile, not only on the diagonal or partial one.
+    cases["fp16-causal-D24-tiles-16x16"] = _case(torch.float16, [100, 7, 49], 4, 2, 24, True, pad=3, launch=dict(blocks=(16, 16), num_warps=2, num_stages=2))
+    cases["fp32-bidir-D24-tiles-16x32"] = _case(torch.float32, [100, 7, 64], 4, 2, 24, False, pad=3, launch=dict(blocks=(16, 32), pack_groups=True))
     cases["fp32-bidir-tiles-64x128"] = _case(torch.float32, [7, 33, 100], 2, 1, 64, False, pad=3, launch=dict(blocks=(64, 128), num_warps=8, num_stages=3))
     # the batch tiles launch_config picks for many tokens (MiniLM-like heads; Qwen3-like grouped heads)
     cases["fp16-bidir-tiles-128x64"] = _case(torch.float16, [7, 33, 130, 100, 0], 2, 2, 32, False, pad=3, launch=dict(blocks=(128, 64), num_warps=4, num_stages=3))
