@@ -31,6 +31,9 @@ would alternate between two CUDA contexts on one GPU, slowing both). The differe
 paths' p50 from the direct path's is what the gateway adds: parsing, checks, tokenization, the
 hop from the gateway and the JSON response. Every path's vector is checked to be the same
 first. --gap-ms runs it all again with idle time before every request (sparse traffic).
+With --serve-flags=--in-process, florist serve holds the engine itself: there is no engine server
+to call directly, so the HTTP paths are compared with this process's `engine.step()` when
+--in-process is given too (what the whole HTTP stack adds), and only listed otherwise.
 
 The model is all-MiniLM-L6-v2 (below) unless --model or --geometry (a random-weight model of
 bench/geometries.py) names another.
@@ -47,6 +50,7 @@ The model is all-MiniLM-L6-v2's tokenizer and configuration with max_seq_length 
     python bench/gateway.py --latency --stub     # (d) against the stub engine: the gateway's cost on a CPU
     python bench/gateway.py --latency --geometry qwen3-0.6b --in-process   # (d) layer by layer, engine to HTTP
     python bench/gateway.py --latency --geometry qwen3-0.6b --gap-ms 0,10,50   # (d) with idle time before each request
+    python bench/gateway.py --latency --geometry qwen3-0.6b --in-process --serve-flags=--in-process   # (d) one process: HTTP over step()
     python bench/gateway.py --smoke              # (a)-(d) a second or a few requests each, CPU
 """
 
@@ -434,8 +438,12 @@ def start_latency_servers(args, tmp: Path):
 
     if not args.stub:
         model = latency_model(args, tmp)
-        gateway, url = serve(*(["--replicas", "1"] + (["--model", model] if model else []) + (["--device", args.device] if args.device else [])
-                               + shlex.split(args.serve_flags)))
+        flags = shlex.split(args.serve_flags)
+        one_process = "--in-process" in flags  # the engine inside florist serve: no replica, no gRPC address
+        gateway, url = serve(*([] if one_process else ["--replicas", "1"]) + (["--model", model] if model else [])
+                              + (["--device", args.device] if args.device else []) + flags)
+        if one_process:
+            return gateway, url, None, "the engine inside florist serve (--in-process)", model, None
         engine = gateway.wait_for(r"engine replica 0 \(pid \d+, ([^)]*)\) on (\S+)")
         return gateway, url, engine.group(2), engine.group(1), model, None
     model_dir = str(make_model_dir(tmp, 512))
@@ -463,8 +471,9 @@ def latency(args) -> None:
         text = text_of(processor, args.latency_tokens)
         ids = processor.encode([text])[0].tolist()
         n, warmup = (10, 3) if args.smoke else (args.requests, 100)
-        http_client, grpc_client = HttpClient(url), GrpcClient(address)
-        paths = {"direct gRPC (ids)": lambda: grpc_client.embed(ids)}
+        http_client = HttpClient(url)
+        grpc_client = GrpcClient(address) if address else None  # None: the engine is inside florist serve
+        paths = {"direct gRPC (ids)": lambda: grpc_client.embed(ids)} if grpc_client else {}
         alone = {}  # timed in a loop of their own, not in turn with the others (below)
         if args.in_process:  # the same model in this process: the engine alone, no server
             from florist import Engine
@@ -475,7 +484,7 @@ def latency(args) -> None:
             host_ids = np.asarray(ids, dtype=np.int32)
             alone["in-process step() (ids)"] = lambda: finalize_embeddings(engine.step(HostBatch.from_sequences([host_ids])).numpy(), dimensions=None,
                                                                                   normalize=engine.info.normalize, encoding="float")[0]
-        path = local_socket_of(address) if not args.stub or args.local_socket else ""
+        path = local_socket_of(address) if address and (not args.stub or args.local_socket) else ""
         local_client = LocalClient(path) if path else None
         if local_client is not None:
             paths["direct local socket (ids)"] = lambda: local_client.embed(ids)
@@ -484,9 +493,9 @@ def latency(args) -> None:
             "HTTP /v1/embeddings (token ids)": lambda: http_client.embed({"input": [ids], "encoding_format": "float"}),
             "HTTP /v1/embeddings (token ids, base64)": lambda: http_client.embed({"input": [ids], "encoding_format": "base64"}),
         }
-        direct = paths["direct gRPC (ids)"]()
+        reference = next(iter(paths.values()))()
         for name, call in (paths | alone).items():  # the same vector every way
-            assert np.abs(call() - direct).max() < 1e-2, name  # bf16: the in-process engine agrees to ~1e-3
+            assert np.abs(call() - reference).max() < 1e-2, name  # bf16: the in-process engine agrees to ~1e-3
         by_gap: dict[float, dict[str, list[float]]] = {}
         for g, gap in enumerate(args.gap_ms):
             by_gap[gap] = times = {name: [] for name in alone | paths}
@@ -504,7 +513,8 @@ def latency(args) -> None:
                         if k >= skip:
                             times[name].append((time.perf_counter() - t) * 1e3)
         http_client.close()
-        grpc_client.close()
+        if grpc_client is not None:
+            grpc_client.close()
         if local_client is not None:
             local_client.close()
     finally:
@@ -522,9 +532,16 @@ def latency(args) -> None:
     for name, ms in times.items():
         q = np.percentile(ms, [50, 90, 99])
         print(f"{name:<40} {q[0]:>8.3f} {q[1]:>8.3f} {q[2]:>8.3f}")
-    base = np.percentile(times["direct gRPC (ids)"], 50)
-    for name in (name for name in times if name != "direct gRPC (ids)"):
-        print(f"{name} adds {np.percentile(times[name], 50) - base:.3f} ms p50 over direct gRPC")
+    # What each path adds over the most direct one measured: the engine server's gRPC, or with
+    # the engine inside florist serve, its step() in this process (--in-process).
+    base_name, over = next(((name, what) for name, what in (("direct gRPC (ids)", "direct gRPC"), ("in-process step() (ids)", "in-process step()"))
+                            if name in times), (None, None))
+    if base_name is None:
+        print("(no direct path to compare with: the engine runs inside florist serve; --in-process times its step() here)")
+    else:
+        base = np.percentile(times[base_name], 50)
+        for name in (name for name in times if name != base_name):
+            print(f"{name} adds {np.percentile(times[name], 50) - base:.3f} ms p50 over {over}")
     if len(by_gap) > 1:
         from florist.busy_poll import DEFAULT_LINGER_MS
 
@@ -575,6 +592,8 @@ def main() -> int:
     if not gaps or min(gaps) < 0:
         p.error(f"--gap-ms takes a comma list of milliseconds >= 0, e.g. 0,10,50; got {args.gap_ms!r}")
     args.gap_ms = list(dict.fromkeys(gaps))  # each gap once: its rows are keyed by it
+    if args.stub and "--in-process" in shlex.split(args.serve_flags):
+        p.error("--stub runs the stub engine as a server of its own; --serve-flags=--in-process loads a model inside florist serve: drop one")
     if args.smoke:
         args.clients, args.seconds, args.warmup = 2, 1.0, 0.5
         args.device = args.device or "cpu"

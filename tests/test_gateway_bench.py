@@ -39,6 +39,19 @@ def test_gateway_latency_layer_by_layer():
     assert "direct gRPC (ids) adds" not in out.stdout, out.stdout  # the base is not compared with itself
 
 
+def test_gateway_latency_with_the_engine_inside_florist_serve():
+    """--serve-flags=--in-process: no engine server to call directly, so the HTTP paths are
+    compared with the engine's step() in the bench's process; --stub cannot go with it."""
+    out = run_bench("gateway.py", "--latency", "--smoke", "--in-process", "--serve-flags=--in-process", timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "on the engine inside florist serve (--in-process)" in out.stdout, out.stdout
+    for path in ("text", "token ids", "token ids, base64"):
+        assert re.search(rf"HTTP /v1/embeddings \({path}\) adds -?[0-9.]+ ms p50 over in-process step\(\)", out.stdout), out.stdout
+    assert "direct gRPC" not in out.stdout and "local socket" not in out.stdout, out.stdout
+    bad = run_bench("gateway.py", "--latency", "--stub", "--serve-flags=--in-process", timeout=60)
+    assert bad.returncode == 2 and "drop one" in bad.stderr, bad.stderr
+
+
 def test_gateway_latency_after_idle_gaps():
     """--gap-ms runs the latency paths again with that much idle time before every request and
     prints one p50 / p90 column per gap; a bad list is refused."""
