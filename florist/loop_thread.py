@@ -2,12 +2,29 @@
 
 Subclasses say how to start the service (`_start`, a coroutine returning the running object) and
 how to stop it (`_stop`); starting waits until the service serves, and re-raises its start-up error.
+
+`join_thread` waits from an event loop for a worker thread to end: servers join theirs at stop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+
+
+async def join_thread(thread: threading.Thread, timeout_s: float) -> bool:
+    """Wait for `thread` to end without blocking the event loop; False if it still runs after
+    `timeout_s`. A daemon thread still running when the interpreter finalizes is ended where it
+    next takes the GIL; a server's worker ended so inside torch (freeing its last batch's tensor
+    as its frame is cleared) aborted the whole process at exit ("terminate called without an
+    active exception", SIGABRT). Joined at stop, it ends while the interpreter is whole."""
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.002)
+    return True
 
 
 class LoopThread:

@@ -5,6 +5,7 @@ stream frees its slot, bad input is refused with INVALID_ARGUMENT, a deadline en
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -96,6 +97,46 @@ def test_open_streams_are_counted_for_busy_poll(lm_engine):
             time.sleep(0.01)
         assert generation.active == 0
 
+
+
+def test_stop_ends_the_generation_thread(tmp_path, monkeypatch):
+    """The server's stop waits for the generation thread to finish the step it runs and end,
+    instead of leaving a daemon thread to the interpreter's exit, where one ended inside torch
+    aborts the process. Its own engine: a second handler stepping lm_engine's runner would race
+    the module server's. A step is held until the test lets it go, so stop comes while it runs."""
+    from florist.server.inprocess import InProcessClient, start_in_process
+
+    engine = florist.Engine.from_pretrained(make_causal_lm(tmp_path / "lm", tie=True), device="cpu",
+                                            generation=GenerationConfig(max_num_seqs=2, max_model_len=128))
+    prompt = prompts_for(engine.model_dir.path, (5,), seed=9)[0]
+    hold, held, release = threading.Event(), threading.Event(), threading.Event()
+    step = engine.runner.step
+
+    def held_step():
+        if hold.is_set():
+            held.set()
+            release.wait(10)
+        return step()
+
+    monkeypatch.setattr(engine.runner, "step", held_step)
+
+    async def main():
+        server = await start_in_process(engine, ServerConfig())
+        stream = InProcessClient(server.service).generate(prompt, max_tokens=100, ignore_eos=True)
+        await anext(stream)
+        hold.set()
+        assert await asyncio.to_thread(held.wait, 10)  # the thread is in a step now
+        thread = server.service.generation._thread
+        stopping = asyncio.create_task(server.stop(grace=None))
+        await asyncio.sleep(0.2)
+        waited = not stopping.done()  # stop waits for the step
+        release.set()
+        await stopping
+        alive = thread.is_alive()
+        await stream.aclose()
+        return waited, alive
+
+    assert asyncio.run(main()) == (True, False)
 
 @TRANSPORTS
 def test_stop_ids_end_the_stream(lm_server, lm_engine, transport):

@@ -403,3 +403,33 @@ def test_launch_ahead_defaults_to_gpu_engines_only():
     assert launch_ahead_s(gpu, ServerConfig(launch_ahead_ms=math.inf)) == math.inf
     with pytest.raises(ValueError, match="launch_ahead_ms must be >= 0"):
         launch_ahead_s(gpu, ServerConfig(launch_ahead_ms=-1.0))
+
+
+def test_stopping_the_engine_thread_waits_for_its_running_batch(caplog):
+    """The worker thread is joined at stop, after the batch it runs: left to run into the
+    interpreter's exit, it was ended inside torch and aborted the process (SIGABRT). A batch that
+    outlasts the timeout is left running, with a warning."""
+    from florist.server.batcher import _Worker
+
+    async def main():
+        worker = _Worker(asyncio.get_running_loop(), "florist-engine-test")
+        results = []
+        worker.submit(lambda: time.sleep(0.3) or "rows", lambda rows, err: results.append((rows, err)))
+        started = time.perf_counter()
+        await worker.close(10.0)
+        waited = time.perf_counter() - started
+        alive = worker.thread.is_alive()
+        await asyncio.sleep(0)  # the batch's callback, queued on this loop before the thread ended
+        slow = _Worker(asyncio.get_running_loop(), "florist-engine-slow")
+        release = threading.Event()
+        slow.submit(lambda: release.wait(10), lambda rows, err: None)
+        await slow.close(0.05)
+        slow_alive = slow.thread.is_alive()
+        release.set()
+        slow.thread.join(10)
+        return waited, alive, results, slow_alive
+
+    waited, alive, results, slow_alive = asyncio.run(main())
+    assert not alive and waited >= 0.25, waited
+    assert results == [("rows", None)]
+    assert slow_alive and "still running a batch" in caplog.text

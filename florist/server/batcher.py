@@ -53,10 +53,13 @@ from typing import Any, Callable
 import numpy as np
 
 from florist.busy_poll import IdleFlag
+from florist.loop_thread import join_thread
 from florist.engine.batch import HostBatch, segment_ids
 from florist.server.scheduler import Batch, Request, Scheduler
 
 log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 30.0  # how long stop() waits for a batch running on the engine thread
 
 
 class DeadlineExpired(Exception):
@@ -98,8 +101,11 @@ class _Worker:
             except RuntimeError:  # the loop is closed: the server is shutting down
                 return
 
-    def close(self) -> None:
+    async def close(self, timeout_s: float) -> None:
+        """Stop after the job running, if any, and wait for the thread to end (join_thread)."""
         self.jobs.put(None)
+        if not await join_thread(self.thread, timeout_s):
+            log.warning("the engine thread %s is still running a batch %.0f s after stop; leaving it", self.thread.name, timeout_s)
 
 
 class _InFlight:
@@ -179,7 +185,7 @@ class Batcher:
             except asyncio.CancelledError:
                 pass
         if self._worker is not None:
-            self._worker.close()
+            await self._worker.close(STOP_TIMEOUT_S)
 
     # -- requests ------------------------------------------------------------------------------
     async def run(self, ids: np.ndarray, seq_lens: np.ndarray, first_segment_lens: np.ndarray | None = None, deadline: float | None = None) -> np.ndarray:

@@ -21,6 +21,7 @@ import time
 import grpc
 import numpy as np
 
+from florist.loop_thread import join_thread
 from florist.server import proto, wire
 from florist.text import InputError
 
@@ -125,9 +126,12 @@ class GenerateHandler:
                 except RuntimeError:  # that loop is closed: its server is gone
                     pass
 
-    def close(self) -> None:
+    async def close(self, timeout_s: float) -> None:
+        """Stop after the step running, if any, and wait for the thread to end (join_thread)."""
         self._closing = True
         self._wake.set()
+        if self._thread is not None and not await join_thread(self._thread, timeout_s):
+            log.warning("the generation thread is still stepping %.0f s after stop; leaving it", timeout_s)
 
 
 def _deliver(items) -> None:

@@ -31,7 +31,7 @@ from florist.busy_poll import keep_turning, linger_seconds
 from florist.engine.output import check_output_options, finalize_embeddings, finalize_scores
 from florist.loop_thread import LoopThread
 from florist.server import proto, wire
-from florist.server.batcher import Batcher, DeadlineExpired
+from florist.server.batcher import STOP_TIMEOUT_S, Batcher, DeadlineExpired
 from florist.server.config import ServerConfig
 from florist.server.generate import GenerateHandler
 from florist.server.local import LocalServer, auto_path, remove_stale_sockets
@@ -224,7 +224,7 @@ class RunningServer:
             self.busy_poll.cancel()
         if self.switch_interval is not None:
             sys.setswitchinterval(self.switch_interval)
-        self.service.generation.close()
+        await self.service.generation.close(STOP_TIMEOUT_S)
         await self.batcher.stop()
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
