@@ -438,11 +438,9 @@ def start_latency_servers(args, tmp: Path):
 
     if not args.stub:
         model = latency_model(args, tmp)
-        flags = shlex.split(args.serve_flags)
-        one_process = "--in-process" in flags  # the engine inside florist serve: no replica, no gRPC address
-        gateway, url = serve(*([] if one_process else ["--replicas", "1"]) + (["--model", model] if model else [])
-                              + (["--device", args.device] if args.device else []) + flags)
-        if one_process:
+        gateway, url = serve(*([] if args.serve_in_process else ["--replicas", "1"]) + (["--model", model] if model else [])
+                              + (["--device", args.device] if args.device else []) + shlex.split(args.serve_flags))
+        if args.serve_in_process:  # the engine inside florist serve: no replica, no gRPC address
             return gateway, url, None, "the engine inside florist serve (--in-process)", model, None
         engine = gateway.wait_for(r"engine replica 0 \(pid \d+, ([^)]*)\) on (\S+)")
         return gateway, url, engine.group(2), engine.group(1), model, None
@@ -592,7 +590,8 @@ def main() -> int:
     if not gaps or min(gaps) < 0:
         p.error(f"--gap-ms takes a comma list of milliseconds >= 0, e.g. 0,10,50; got {args.gap_ms!r}")
     args.gap_ms = list(dict.fromkeys(gaps))  # each gap once: its rows are keyed by it
-    if args.stub and "--in-process" in shlex.split(args.serve_flags):
+    args.serve_in_process = "--in-process" in shlex.split(args.serve_flags)
+    if args.stub and args.serve_in_process:
         p.error("--stub runs the stub engine as a server of its own; --serve-flags=--in-process loads a model inside florist serve: drop one")
     if args.smoke:
         args.clients, args.seconds, args.warmup = 2, 1.0, 0.5

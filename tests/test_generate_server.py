@@ -98,7 +98,6 @@ def test_open_streams_are_counted_for_busy_poll(lm_engine):
         assert generation.active == 0
 
 
-
 def test_stop_ends_the_generation_thread(tmp_path, monkeypatch):
     """The server's stop waits for the generation thread to finish the step it runs and end,
     instead of leaving a daemon thread to the interpreter's exit, where one ended inside torch
@@ -137,6 +136,7 @@ def test_stop_ends_the_generation_thread(tmp_path, monkeypatch):
         return waited, alive
 
     assert asyncio.run(main()) == (True, False)
+
 
 @TRANSPORTS
 def test_stop_ids_end_the_stream(lm_server, lm_engine, transport):

@@ -53,8 +53,8 @@ from typing import Any, Callable
 import numpy as np
 
 from florist.busy_poll import IdleFlag
-from florist.loop_thread import join_thread
 from florist.engine.batch import HostBatch, segment_ids
+from florist.loop_thread import join_thread
 from florist.server.scheduler import Batch, Request, Scheduler
 
 log = logging.getLogger(__name__)
