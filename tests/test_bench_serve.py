@@ -21,7 +21,13 @@ def run_serve_bench(*args: str) -> str:
 
 
 def test_serve_bench_smoke(tmp_path):
-    stdout = run_serve_bench("--out", str(tmp_path), "--json", str(tmp_path / "rows.json"))
+    """The whole suite on tiny models, with Infinity beside florist and the baseline: --infinity
+    starts a third server with the given command (here tests/stand_ins, which answers like
+    Infinity and refuses token ids); it is sent texts of the same token counts where a scenario
+    sends ids, checked against florist, timed, tabled and plotted, and sits out scoring."""
+    stand_in = ROOT / "tests" / "stand_ins"
+    stdout = run_serve_bench("--requests", "3", "--out", str(tmp_path), "--json", str(tmp_path / "rows.json"),
+                             "--infinity", f"env PYTHONPATH={stand_in} {sys.executable}")
     cosine = re.search(r"check: min cosine, florist vs baseline over \d+ rows: ([0-9.]+)", stdout)
     assert cosine and float(cosine.group(1)) >= 0.999, stdout
     assert re.search(r"check: max \|score difference\|, florist vs baseline over \d+ rows: 0\.0", stdout), stdout
@@ -58,13 +64,38 @@ def test_serve_bench_smoke(tmp_path):
     assert serve.main(["--replot", str(tmp_path / "results.json"), "--out", str(tmp_path / "replot")]) == 0
     assert sorted(p.name for p in (tmp_path / "replot").iterdir()) == sorted(p.name for p in tmp_path.glob("*.png"))
 
+    # Infinity: checked and timed in every cell but scoring's
+    cosine = re.search(r"check: min cosine, florist vs infinity over (\d+) rows: ([0-9.]+)", stdout)
+    assert cosine and int(cosine.group(1)) >= 3 + 1 + 1 and float(cosine.group(2)) >= 0.999, stdout  # scenario 1's three, 3's, 4's
+    assert "infinity: -m infinity_emb.cli v2 --model-id" in stdout and "--url-prefix /v1" in stdout
+    for row in ("1 low-latency embedding, 64 tokens", "3 high-throughput embedding, 10 x 128 tokens", "4 high-concurrency embedding, 32-token text, 4 clients"):
+        assert re.search(re.escape(row) + r"\s+(p50 ms|emb/s)\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+x\s+[0-9.]+\s+[0-9.]+x\s+\d+ / \d+ / \d+", stdout), row
+    assert re.search(r"NOTE: infinity sat out '2 low-latency scoring, 5 pairs of 256 tokens'", stdout), stdout
 
-def test_serve_bench_cross_encoder_behind_aiohttp(tmp_path):
-    """The ms-marco-style cross-encoder geometry, and the baseline's aiohttp fallback."""
-    stdout = run_serve_bench("--geometry", "tiny-cross-encoder", "--scenarios", "2", "--baseline-http", "aiohttp", "--requests", "3", "--out", str(tmp_path))
+    assert results["meta"]["checks"]["embed infinity"]["ok"]
+    assert results["meta"]["versions"]["infinity"]["infinity-emb"] is None  # the stand-in is no installed distribution
+    for r in results["rows"]:
+        if r["scenario"] == 2:
+            assert "infinity" not in r
+        else:
+            m = r["infinity"]
+            assert m["n"] == m["planned"] > 0 and m["p50"] <= m["max"] and m["items_per_s"] > 0
+
+
+def test_serve_bench_cross_encoder_behind_aiohttp_and_infinity_reranking(tmp_path):
+    """The ms-marco-style cross-encoder geometry and the baseline's aiohttp fallback; Infinity
+    (the stand-in) reranks with a sequence classifier, so it gets the same pairs as /rerank
+    bodies and is checked against florist's /v1/score and timed."""
+    stand_in = ROOT / "tests" / "stand_ins"
+    stdout = run_serve_bench("--geometry", "tiny-cross-encoder", "--scenarios", "2", "--baseline-http", "aiohttp", "--requests", "3",
+                             "--out", str(tmp_path), "--infinity", f"env PYTHONPATH={stand_in} {sys.executable}")
     assert re.search(r"baseline server: aiohttp, sentence-transformers CrossEncoder, cpu", stdout), stdout
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [r["label"] for r in rows] == ["5 pairs of 256 tokens", "25 pairs of 256 tokens", "50 pairs of 256 tokens"]
+    diff = re.search(r"check: max \|score difference\|, florist vs infinity over (\d+) rows: ([0-9.]+)", stdout)
+    assert diff and int(diff.group(1)) == 5 + 25 + 50 and float(diff.group(2)) <= 1e-4, stdout
+    assert all(r["infinity"]["n"] == r["infinity"]["planned"] > 0 for r in rows)
+    assert "sat out" not in stdout
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -130,33 +161,6 @@ def test_capture_times_are_read_from_the_engine_log():
     assert serve.captures([cover]) == [] and serve.first_sights([cover]) == ([], [], [])
 
 
-def test_serve_bench_drives_infinity(tmp_path):
-    """--infinity: a third server started with the given command (here tests/stand_ins, which
-    answers like Infinity and refuses token ids), sent texts of the same token counts where the
-    scenario sends ids, checked against florist, timed, tabled, plotted; it sits out scoring."""
-    stand_in = ROOT / "tests" / "stand_ins"
-    stdout = run_serve_bench("--scenarios", "1,2,3,4", "--requests", "3", "--out", str(tmp_path),
-                             "--infinity", f"env PYTHONPATH={stand_in} {sys.executable}")
-    cosine = re.search(r"check: min cosine, florist vs infinity over (\d+) rows: ([0-9.]+)", stdout)
-    assert cosine and int(cosine.group(1)) >= 3 + 1 + 1 and float(cosine.group(2)) >= 0.999, stdout  # scenario 1's three, 3's, 4's
-    assert "infinity: -m infinity_emb.cli v2 --model-id" in stdout and "--url-prefix /v1" in stdout
-    for row in ("1 low-latency embedding, 64 tokens", "3 high-throughput embedding, 10 x 128 tokens", "4 high-concurrency embedding, 32-token text, 4 clients"):
-        assert re.search(re.escape(row) + r"\s+(p50 ms|emb/s)\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+x\s+[0-9.]+\s+[0-9.]+x\s+\d+ / \d+ / \d+", stdout), row
-    assert re.search(r"NOTE: infinity sat out '2 low-latency scoring, 5 pairs of 256 tokens'", stdout), stdout
-
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert results["meta"]["checks"]["embed infinity"]["ok"]
-    assert results["meta"]["versions"]["infinity"]["infinity-emb"] is None  # the stand-in is no installed distribution
-    for r in results["rows"]:
-        if r["scenario"] == 2:
-            assert "infinity" not in r
-        else:
-            m = r["infinity"]
-            assert m["n"] == m["planned"] > 0 and m["p50"] <= m["max"] and m["items_per_s"] > 0
-    for name in ("scenario1_latency", "scenario3_throughput", "scenario4_concurrency"):
-        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
-
-
 def test_infinity_is_sent_texts_of_the_same_token_counts(tmp_path):
     """Where a cell's bodies are token ids, its text bodies hold texts the model's tokenizer makes
     exactly as many tokens of, one for each id list."""
@@ -218,19 +222,6 @@ def test_infinity_failing_the_check_is_not_timed(tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert len(rows) == 3 and all(r["florist"]["n"] == 3 and r["baseline"]["n"] == 3 and "infinity" not in r for r in rows)
     assert all(r["failed"]["infinity"].startswith("not timed: infinity did not answer") for r in rows)
-
-
-def test_infinity_reranks_with_a_cross_encoder(tmp_path):
-    """Scenario 2 with a sequence-classifier reranker: Infinity (the stand-in) gets the same
-    pairs as /rerank bodies, is checked against florist's /v1/score and timed."""
-    stand_in = ROOT / "tests" / "stand_ins"
-    stdout = run_serve_bench("--geometry", "tiny-cross-encoder", "--scenarios", "2", "--requests", "3", "--out", str(tmp_path),
-                             "--infinity", f"env PYTHONPATH={stand_in} {sys.executable}")
-    diff = re.search(r"check: max \|score difference\|, florist vs infinity over (\d+) rows: ([0-9.]+)", stdout)
-    assert diff and int(diff.group(1)) == 5 + 25 + 50 and float(diff.group(2)) <= 1e-4, stdout
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert len(rows) == 3 and all(r["infinity"]["n"] == r["infinity"]["planned"] > 0 for r in rows)
-    assert "sat out" not in stdout
 
 
 def test_log_axes_label_two_and_five_and_start_a_decade_below_the_lowest_bar():
