@@ -4,6 +4,13 @@
     python bench/kernels.py [--tokens 128 512 4096 51200] [--dtype bf16] [--reps 50]
     python bench/kernels.py --decode [--batches 1 8 32] [--contexts 128 512 2048 4096]
     python bench/kernels.py --decode-layer [--batches 1 2 4] [--contexts 256] [--sweep]
+    python bench/kernels.py --pooling [--sweep]
+
+--pooling times mean pooling (florist/kernels/pooling.py) over the batches the embedders pool
+(all-MiniLM-L6-v2 and pplx-embed widths, graph buckets' empty trailing sequences included):
+`pick`'s configuration, the one before it (`pooling.BEFORE`) and the torch reference; with
+--sweep every configuration of a grid (rows a load, columns a program, warps, tokens a program),
+each checked against the reference first, and the best.
 
 --decode times decode attention over the slot KV cache instead (one query token per sequence):
 florist's one-launch Triton kernel against FlashAttention's split-KV path and the torch
@@ -119,6 +126,74 @@ def time_in_graph(fn: Callable[[], object], calls_per_replay: int, reps: int) ->
     del graph
     torch.cuda.empty_cache()
     return statistics.median(times_us)
+
+
+POOL_SHAPES = [  # (name, hidden, dtype, sequence lengths: a graph bucket's empty tail included)
+    ("minilm 1 x 32", 384, torch.float16, [32, 0]),
+    ("minilm 1 x 128", 384, torch.float16, [128, 0]),
+    ("minilm 32 x 128", 384, torch.float16, [128] * 32),
+    ("minilm 100 x 256", 384, torch.float16, [256] * 100 + [0] * 28),
+    ("pplx 1 x 128", 1024, torch.bfloat16, [128, 0]),
+    ("pplx 1 x 512", 1024, torch.bfloat16, [512, 0]),
+    ("pplx 100 x U(32..512)", 1024, torch.bfloat16, None),
+    ("pplx 1 x 4096", 1024, torch.bfloat16, [4096, 0]),
+]
+
+
+def pool_sweep(max_seqlen: int, h: int):
+    from florist.kernels.pooling import PoolConfig
+
+    n = 1 << (max(max_seqlen, 1) - 1).bit_length()
+    out = []
+    for block_t in (16, 32, 64, 128, 256):
+        for block_h in (64, 128, 256):
+            for warps in (4, 8):
+                if block_t * block_h > 128 * warps * 32 or block_h > 2 * h:  # registers; columns mostly masked
+                    continue
+                for span in {block_t, 2 * block_t, 4 * block_t, 8 * block_t}:
+                    if span <= max(block_t, n) and span <= 1024 and (span == block_t or block_t <= n):
+                        out.append(PoolConfig(span, block_t, block_h, warps))
+    return sorted(set(out), key=lambda c: (c.block_t, c.block_h, c.num_warps, c.span))
+
+
+def pooling_rows(reps: int, sweep: bool) -> list[tuple]:
+    """(shape, {variant: us}, best configuration) per shape; every variant checked first."""
+    from florist.kernels import pooling
+
+    dev, rows = torch.device("cuda"), []
+    rng = torch.Generator().manual_seed(0)
+    for name, h, dtype, lens in POOL_SHAPES:
+        if lens is None:
+            lens = torch.randint(32, 513, (100,), generator=rng).tolist() + [0] * 28
+        t, max_len = sum(lens), max(lens)
+        hidden = torch.randn(t, h, device=dev, dtype=dtype)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        seq_ids = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev)).to(torch.int32)
+        want = pooling.segment_mean_ref(hidden, seq_ids, cu)
+
+        def run(cfg):
+            return lambda: pooling.segment_mean_triton(hidden, cu, max_len, config=cfg)
+
+        variants = {"picked": pooling.pick(max_len, h, len(lens)), "before": pooling.BEFORE}
+        times = {}
+        for label, cfg in variants.items():
+            torch.testing.assert_close(run(cfg)(), want, rtol=2e-5, atol=2e-5)
+            times[label] = time_in_graph(run(cfg), 20, reps)
+        times["torch"] = time_in_graph(lambda: pooling.segment_mean_ref(hidden, seq_ids, cu), 20, reps)
+        best = None
+        if sweep:
+            for cfg in pool_sweep(max_len, h):
+                torch.testing.assert_close(run(cfg)(), want, rtol=2e-5, atol=2e-5)
+                us = time_in_graph(run(cfg), 20, max(10, reps // 3))
+                if best is None or us < best[1]:
+                    best = (cfg, us)
+            times["best"] = best[1]
+        floor_us = (t * h * hidden.element_size() + len(lens) * h * 4) / PEAK_BYTES_PER_S * 1e6
+        rows.append((name, times, floor_us, best[0] if best else None))
+        print(f"{name:<24} " + "  ".join(f"{k} {v:7.2f}" for k, v in times.items()) + f"  floor {floor_us:6.2f} us"
+              + (f"  best {best[0]}" if best else ""), flush=True)
+        torch.cuda.empty_cache()
+    return rows
 
 
 def decode_attention_rows(batches: list[int], contexts: list[int], dtype: torch.dtype, reps: int) -> list[tuple]:
@@ -248,7 +323,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=None, help="default: 128 512 2048 4096 (--decode), 256 (--decode-layer)")
     parser.add_argument("--decode-layer", action="store_true", help="time the one-launch decode layer against the unfused layer")
-    parser.add_argument("--sweep", action="store_true", help="--decode-layer: also tile / warp / slicing variants")
+    parser.add_argument("--sweep", action="store_true", help="--decode-layer / --pooling: also tile / warp / slicing variants")
+    parser.add_argument("--pooling", action="store_true", help="time mean pooling's configurations instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -258,6 +334,14 @@ def main() -> int:
     dtype = DTYPES[args.dtype]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  {args.dtype}")
     print(f"floor = bytes moved by the fused kernel / {PEAK_BYTES_PER_S / 1e12:.1f} TB/s; times are GPU us per call (median)\n")
+    if args.pooling:
+        rows = pooling_rows(args.reps, args.sweep)
+        print("\n| batch | picked (us) | before (us) | torch (us) | sweep best (us) | floor (us) | best configuration |")
+        print("|---|---:|---:|---:|---:|---:|---|")
+        for name, t, floor_us, best in rows:
+            best_us = f"{t['best']:.2f}" if "best" in t else "-"
+            print(f"| {name} | {t['picked']:.2f} | {t['before']:.2f} | {t['torch']:.2f} | {best_us} | {floor_us:.2f} | {best or '-'} |")
+        return 0
     if args.decode_layer:
         rows = decode_layer_rows(args.batches if args.batches != [1, 8, 32] else [1, 2, 4], args.contexts or [256], dtype, args.reps, args.sweep)
         print("\n| batch | context | variant | us / layer | unfused / variant |")

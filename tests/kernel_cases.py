@@ -418,7 +418,7 @@ def _skinny_gemm_add_rms_norm(dtype, m, n, k, splits=None, *, bias=False, nonfin
     return case
 
 
-def _segment_mean(dtype, lens, sqrt_len=False, nonfinite=False):
+def _segment_mean(dtype, lens, sqrt_len=False, nonfinite=False, config=None):
     def case(g: Inputs, big: bool):
         seq_lens = [n * (37 if big else 1) for n in lens]
         t, h = sum(seq_lens), 384 if big else 200
@@ -427,7 +427,7 @@ def _segment_mean(dtype, lens, sqrt_len=False, nonfinite=False):
             hidden[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
         cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32, device=g.device)
         seq_ids = torch.repeat_interleave(torch.arange(len(seq_lens), device=g.device), torch.tensor(seq_lens, device=g.device)).to(torch.int32)
-        got = pooling.segment_mean_triton(hidden, cu, max(seq_lens, default=1), sqrt_len)
+        got = pooling.segment_mean_triton(hidden, cu, max(seq_lens, default=1), sqrt_len, config=config)
         want = pooling.segment_mean_ref(hidden, seq_ids, cu, sqrt_len)
         torch.testing.assert_close(got.cpu(), want.cpu(), rtol=2e-5, atol=2e-5, equal_nan=True)
 
@@ -483,6 +483,9 @@ def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
         cases[f"segment_mean-{name}-sqrt-len"] = _segment_mean(dtype, [5, 2], sqrt_len=True)
         cases[f"segment_mean-{name}-empty-seqs"] = _segment_mean(dtype, [4, 0, 9, 0])  # a padded bucket's tail
         cases[f"segment_mean-{name}-split-nan-inf"] = _segment_mean(dtype, [300, 2], nonfinite=True)  # > 256 tokens: atomics
+        # The configuration before `pick`, and short spans (many splits) in narrow column blocks.
+        cases[f"segment_mean-{name}-before"] = _segment_mean(dtype, [3, 1, 40, 7], config=pooling.BEFORE)
+        cases[f"segment_mean-{name}-short-spans"] = _segment_mean(dtype, [3, 1, 40, 0, 7], nonfinite=True, config=pooling.PoolConfig(16, 16, 32, 2))
         cases[f"embed_layer_norm-{name}-H384"] = _embed_layer_norm(dtype, 384, with_types=True)
         cases[f"embed_layer_norm-{name}-H100-no-types"] = _embed_layer_norm(dtype, 100, with_types=False)
     cfg = skinny_gemm.GemmConfig

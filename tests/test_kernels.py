@@ -376,3 +376,21 @@ def test_pdl_bert_kernels_compile_for_hopper(kernel, pdl_on):
         args = [("x_ptr", "*fp16"), ("cu_ptr", "*i32"), ("out_ptr", "*fp32"), ("H", "i32"), ("stride_t", "i32")]
         const = dict(SPAN=256, BLOCK_T=32, BLOCK_H=128, ATOMIC=True, SQRT_LEN=False)
     _assert_waits_first(_hopper_ptx(fn, args, const, pdl_on), pdl_on)
+
+
+def test_pooling_configuration():
+    """Mean pooling reads as many rows a load as the longest sequence has (16-256), in 64-column
+    programs, a few sequences of 257-1,024 tokens in 64-token spans; FLORIST_POOL_CONFIG's text
+    form parses, and bad ones are refused."""
+    from florist.kernels.pooling import BEFORE, PoolConfig, pick
+
+    assert pick(1, 384, 2) == PoolConfig(16, 16, 64, 4)
+    assert pick(100, 384, 2) == PoolConfig(128, 128, 64, 4)
+    assert pick(129, 1024, 128) == PoolConfig(256, 256, 64, 4)
+    assert pick(512, 1024, 2) == PoolConfig(64, 64, 64, 4)  # 32 programs unsplit: split in spans
+    assert pick(512, 1024, 128) == PoolConfig(256, 256, 64, 4)
+    assert pick(4096, 1024, 2) == PoolConfig(256, 256, 64, 4)
+    assert PoolConfig.parse("256x32x128x4") == BEFORE
+    for bad in ("256x32x128", "256x48x128x4", "16x32x64x4", "ax32x64x4"):
+        with pytest.raises(ValueError, match="SPANxBLOCK_TxBLOCK_HxWARPS"):
+            PoolConfig.parse(bad)
