@@ -40,8 +40,14 @@ def test_last_token_attention_is_the_last_row_of_full_attention(lens, causal):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("full_attention_tokens", [128, 0], ids=["whole-attention-last-rows", "last-queries-alone"])
 @pytest.mark.parametrize("fixture", ["qwen3_dir", "reranker_dir"])
-def test_last_token_only_model_equals_the_full_model(request, fixture):
+def test_last_token_only_model_equals_the_full_model(request, fixture, full_attention_tokens, monkeypatch):
+    """Both ways the final layer's attention can run for the last tokens: the whole attention and
+    its last rows (few tokens), or the last queries alone (`last_token_attention`)."""
+    import florist.layers.attention as attention
+
+    monkeypatch.setattr(attention, "LAST_TOKEN_FULL_ATTENTION_TOKENS", full_attention_tokens)
     task = "score" if fixture == "reranker_dir" else None
     engine = florist.Engine.from_pretrained(request.getfixturevalue(fixture), device="cpu", task=task)
     model = engine.runner.model.model
@@ -62,3 +68,15 @@ def test_last_token_only_model_equals_the_full_model(request, fixture):
 def test_mean_pooling_keeps_every_token(pplx_dir):
     engine = florist.Engine.from_pretrained(pplx_dir, device="cpu")
     assert not engine.runner.model.model.last_token_only
+
+
+def test_last_rows_of_one_token_sequences_are_the_rows_themselves():
+    """RaggedBatch.last_rows: no gather where every sequence is one token (the head of a
+    last-token model), the rows at each sequence's end otherwise, padded batches included."""
+    hidden = torch.arange(12.0).reshape(6, 2)
+    ones = to_device(HostBatch.from_sequences([np.zeros(1, dtype=np.int32)] * 6), torch.device("cpu"))
+    assert ones.last_rows(hidden) is hidden
+    ragged = to_device(HostBatch.from_sequences([np.zeros(n, dtype=np.int32) for n in (2, 1, 3)]), torch.device("cpu"))
+    torch.testing.assert_close(ragged.last_rows(hidden), hidden[[1, 2, 5]])
+    first_three = hidden[:3]  # a last-token model's [B, H] output
+    assert ragged.one_token_per_seq().last_rows(first_three) is first_three

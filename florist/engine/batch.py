@@ -99,6 +99,14 @@ class RaggedBatch:
         points at the token before it: valid, and its row is sliced off)."""
         return self.cu_seqlens[1:].long() - 1
 
+    def last_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each sequence's last-token row of hidden [T, ...] -> [B, ...]: hidden itself where every
+        sequence is one token (a last-token model's output with `one_token_per_seq`'s batch, or
+        one-token inputs), else a gather at `last_token_index`."""
+        if self.uniform_seqlen == 1 and hidden.shape[0] == self.num_seqs:
+            return hidden
+        return hidden[self.last_token_index()]
+
     def one_token_per_seq(self) -> "RaggedBatch":
         """The batch as seen by a head given one row per sequence (the model already picked each
         sequence's last token): sequence b is row b alone."""

@@ -167,6 +167,13 @@ SHORT_RAGGED_MAX_SEQLEN = int_from_env("FLORIST_SHORT_RAGGED_MAX_SEQLEN", 4096)
 # One sequence: tokens x max_seqlen x (query heads x head_dim); FLORIST_SHORT_SINGLE_MAX_WORK
 # moves the bound (for A/B runs of bench/engine.py).
 SHORT_SINGLE_MAX_WORK = int_from_env("FLORIST_SHORT_SINGLE_MAX_WORK", 1 << 26)
+# The final layer of a last-token model (Attention.forward_last) runs the whole attention up to
+# this many tokens in the batch and keeps each sequence's last row; above, the last queries alone.
+# On the H200 (docs/benchmarks.md, "The last-token layer's small kernels") the Qwen3-0.6B 1 x 128
+# step was 0.016 ms faster with it in 2 of 3 interleaved rounds, the 1 x 256 step 0.032 ms slower
+# in 2 of 3, both within that host's spread: hence 128. FLORIST_LAST_TOKEN_FULL_ATTENTION_TOKENS
+# moves the bound (0: never), for A/B runs of bench/engine.py.
+LAST_TOKEN_FULL_ATTENTION_TOKENS = int_from_env("FLORIST_LAST_TOKEN_FULL_ATTENTION_TOKENS", 128)
 
 
 def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel: bool, width: int) -> str:
@@ -266,10 +273,16 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         return self.backend(q, k, v, batch, self.causal, self.scale).reshape(t, -1)
 
-    def forward_last(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
-        """q: [B, Hq*D] (each sequence's last token), k/v: [T, Hkv*D] -> [B, Hq*D]."""
-        b, t = q.shape[0], k.shape[0]
-        q = q.view(b, self.num_heads, self.head_dim)
+    def forward_last(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch, last: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq(*D)] of every token, k/v: [T, Hkv(*D)], `last`: [B] each sequence's last token
+        -> [B, Hq*D], the attention output of those tokens. Up to LAST_TOKEN_FULL_ATTENTION_TOKENS
+        tokens the backend's whole attention runs and its last rows are kept (one launch where
+        the one-query path is a gather, an arange, FlashAttention and its copies); above, the last
+        queries alone (`last_token_attention`)."""
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        return last_token_attention(q, k, v, batch, self.scale).reshape(b, -1)
+        if t <= LAST_TOKEN_FULL_ATTENTION_TOKENS:
+            return self.backend(q, k, v, batch, self.causal, self.scale).reshape(t, -1)[last]
+        return last_token_attention(q[last], k, v, batch, self.scale).reshape(last.shape[0], -1)

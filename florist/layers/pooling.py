@@ -21,11 +21,10 @@ POOLING_ORDER: tuple[PoolingMode, ...] = ("cls", "max", "mean", "mean_sqrt_len",
 def pool(hidden: torch.Tensor, batch: RaggedBatch, mode: PoolingMode) -> torch.Tensor:
     """hidden [T, H] -> [B, H] (fp32). Tokens whose seq_id is >= B (padding) are ignored."""
     b = batch.num_seqs
-    cu = batch.cu_seqlens.long()
     if mode == "cls":  # empty trailing sequences of a padded batch start at T: clamp
-        return hidden[cu[:-1].clamp(max=hidden.shape[0] - 1)].float()
+        return hidden[batch.cu_seqlens[:-1].long().clamp(max=hidden.shape[0] - 1)].float()
     if mode == "lasttoken":
-        return hidden[cu[1:] - 1].float()
+        return batch.last_rows(hidden).float()
     if mode in ("mean", "mean_sqrt_len"):  # one kernel on CUDA (kernels/pooling.py)
         return segment_mean(hidden, batch.seq_ids, batch.cu_seqlens, batch.max_seqlen, sqrt_len=mode == "mean_sqrt_len")
     if mode == "max":

@@ -74,7 +74,7 @@ class Qwen3Attention(nn.Module):
         """Keys and values of every token, the output of each sequence's last token only: [B, H]
         (residual: those tokens' rows)."""
         q, k, v = self._qkv(x, batch)
-        return self.o_proj.forward_add_norm(self.attn.forward_last(q[last].reshape(last.shape[0], -1), k, v, batch), residual, norm)
+        return self.o_proj.forward_add_norm(self.attn.forward_last(q, k, v, batch, last), residual, norm)
 
 
 class Qwen3MLP(nn.Module):
@@ -217,7 +217,7 @@ class YesNoHead(nn.Module):
         param.data.copy_(loaded[list(self.token_ids)])
 
     def forward(self, hidden: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
-        last = hidden[batch.cu_seqlens[1:].long() - 1]
+        last = batch.last_rows(hidden)
         yes_no = torch.nn.functional.linear(last, self.weight).float()
         return (yes_no[:, 0] - yes_no[:, 1]).unsqueeze(1)
 
