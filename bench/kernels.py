@@ -141,9 +141,9 @@ POOL_SHAPES = [  # (name, hidden, dtype, sequence lengths: a graph bucket's empt
 
 
 def pool_sweep(max_seqlen: int, h: int):
-    from florist.kernels.pooling import PoolConfig
+    from florist.kernels.pooling import PoolConfig, next_power_of_2
 
-    n = 1 << (max(max_seqlen, 1) - 1).bit_length()
+    n = next_power_of_2(max_seqlen)
     out = []
     for block_t in (16, 32, 64, 128, 256):
         for block_h in (64, 128, 256):

@@ -69,6 +69,15 @@ BEFORE = PoolConfig(256, 32, 128, 4)
 _FORCED = None if os.environ.get("FLORIST_POOL_CONFIG", "pick").strip().lower() in ("", "pick") else PoolConfig.parse(os.environ["FLORIST_POOL_CONFIG"])
 
 
+# Programs below which a few long sequences are split in spans (the H200's multiprocessors).
+_FILL_PROGRAMS = 132
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1); without triton, for CPU-only installs."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def pick(max_seqlen: int, h: int, num_seqs: int = 1 << 30) -> PoolConfig:
     """The launch configuration for `num_seqs` sequences of at most `max_seqlen` tokens of `h`
     columns: a sequence's rows in as few loads as fit (up to 256 rows a load, 64 columns a
@@ -77,8 +86,8 @@ def pick(max_seqlen: int, h: int, num_seqs: int = 1 << 30) -> PoolConfig:
     pplx-embed 4.2 us against 5.8 in 256-token spans)."""
     if _FORCED is not None:
         return _FORCED
-    n = max(16, 1 << (max(max_seqlen, 1) - 1).bit_length())  # the next power of two
-    if 256 < n <= 1024 and num_seqs * -(-h // 64) < 132:
+    n = max(16, next_power_of_2(max_seqlen))
+    if 256 < n <= 1024 and num_seqs * -(-h // 64) < _FILL_PROGRAMS:
         return PoolConfig(64, 64, 64, 4)
     block_t = min(256, n)
     return PoolConfig(span=block_t, block_t=block_t, block_h=64, num_warps=4)
