@@ -5,12 +5,18 @@
     python bench/kernels.py --decode [--batches 1 8 32] [--contexts 128 512 2048 4096]
     python bench/kernels.py --decode-layer [--batches 1 2 4] [--contexts 256] [--sweep]
     python bench/kernels.py --pooling [--sweep]
+    python bench/kernels.py --gelu [--tokens 3200 12800 25600 51200]
 
 --pooling times mean pooling (florist/kernels/pooling.py) over the batches the embedders pool
 (all-MiniLM-L6-v2 and pplx-embed widths, graph buckets' empty trailing sequences included):
 `pick`'s configuration, the one before it (`pooling.BEFORE`) and the torch reference; with
 --sweep every configuration of a grid (rows a load, columns a program, warps, tokens a program),
 each checked against the reference first, and the best.
+
+--gelu times the exact GELU pass (florist/kernels/activation.py) on all-MiniLM-L6-v2's
+intermediate width (1,536) in fp16 and bf16: F.gelu, the Triton pass, and a copy of the same bytes
+(what a pass bound by its bytes would take); first it counts, over every finite fp16 input, how
+many results of each differ from the correctly rounded exact GELU.
 
 --decode times decode attention over the slot KV cache instead (one query token per sequence):
 florist's one-launch Triton kernel against FlashAttention's split-KV path and the torch
@@ -196,6 +202,38 @@ def pooling_rows(reps: int, sweep: bool) -> list[tuple]:
     return rows
 
 
+def gelu_rows(tokens: list[int], reps: int) -> list[tuple]:
+    """(rows, dtype, {variant: us}, floor us) per shape, after the exactness count over every finite fp16."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).cuda()
+    every = every[torch.isfinite(every)]
+    exact = activation.gelu_exact_ref(every)
+    bits = lambda t: t.view(torch.int16).int()  # noqa: E731
+    for name, got in (("F.gelu", torch.nn.functional.gelu(every)), ("Triton pass", activation.gelu_triton(every))):
+        off = got != exact
+        print(f"{name:<12} differs from the exact GELU in {int(off.sum())} of {every.numel()} fp16 inputs "
+              f"(at most {int((bits(got) - bits(exact)).abs().max())} ulp)")
+    rows = []
+    for m in tokens:
+        for dtype in (torch.float16, torch.bfloat16):
+            xs = [torch.randn(m, 1536, device="cuda", dtype=dtype) * 2 for _ in range(2)]
+            turn = [0]
+
+            def x():  # two inputs in turn: each call reads from HBM, as the step's does
+                turn[0] ^= 1
+                return xs[turn[0]]
+
+            torch.testing.assert_close(activation.gelu_triton(xs[0]), activation.gelu_exact_ref(xs[0]), rtol=2e-3, atol=2e-3)
+            times = {"F.gelu": time_in_graph(lambda: torch.nn.functional.gelu(x()), 4, reps),
+                     "triton": time_in_graph(lambda: activation.gelu_triton(x()), 4, reps),
+                     "copy": time_in_graph(lambda: x().clone(), 4, reps)}
+            floor_us = 2 * xs[0].numel() * xs[0].element_size() / PEAK_BYTES_PER_S * 1e6
+            rows.append((m, dtype, times, floor_us))
+            print(f"{m:>6} x 1536 {str(dtype)[6:]:<9} " + "  ".join(f"{k} {v:7.2f}" for k, v in times.items()) + f"  floor {floor_us:6.2f} us", flush=True)
+            del xs
+            torch.cuda.empty_cache()
+    return rows
+
+
 def decode_attention_rows(batches: list[int], contexts: list[int], dtype: torch.dtype, reps: int) -> list[tuple]:
     """(batch, context, {backend: us}, max |triton - torch|) per shape; every sequence has
     `context` cached tokens in a cache of max(contexts) positions per slot."""
@@ -325,6 +363,7 @@ def main() -> int:
     parser.add_argument("--decode-layer", action="store_true", help="time the one-launch decode layer against the unfused layer")
     parser.add_argument("--sweep", action="store_true", help="--decode-layer / --pooling: also tile / warp / slicing variants")
     parser.add_argument("--pooling", action="store_true", help="time mean pooling's configurations instead")
+    parser.add_argument("--gelu", action="store_true", help="time the exact GELU pass instead (--tokens: rows, default 3200 12800 25600 51200)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -341,6 +380,13 @@ def main() -> int:
         for name, t, floor_us, best in rows:
             best_us = f"{t['best']:.2f}" if "best" in t else "-"
             print(f"| {name} | {t['picked']:.2f} | {t['before']:.2f} | {t['torch']:.2f} | {best_us} | {floor_us:.2f} | {best or '-'} |")
+        return 0
+    if args.gelu:
+        rows = gelu_rows(args.tokens if args.tokens != [128, 512, 4096, 51200] else [3200, 12800, 25600, 51200], args.reps)
+        print("\n| rows x 1536 | dtype | F.gelu (us) | Triton pass (us) | copy (us) | floor (us) | F.gelu / pass |")
+        print("|---:|---|---:|---:|---:|---:|---:|")
+        for m, dtype, t, floor_us in rows:
+            print(f"| {m} | {str(dtype)[6:]} | {t['F.gelu']:.2f} | {t['triton']:.2f} | {t['copy']:.2f} | {floor_us:.2f} | {t['F.gelu'] / t['triton']:.2f}x |")
         return 0
     if args.decode_layer:
         rows = decode_layer_rows(args.batches if args.batches != [1, 8, 32] else [1, 2, 4], args.contexts or [256], dtype, args.reps, args.sweep)

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from florist.kernels import norms, pdl, wide_gemm
-from florist.kernels.activation import silu_and_mul, swiglu_tile
+from florist.kernels.activation import gelu as gelu_pass, gelu_exact, silu_and_mul, swiglu_tile
 from florist.kernels.launch_counters import LaunchCounters
 from florist.kernels.split_k import SplitKPartials, reduce_partials_triton
 
@@ -253,7 +253,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     y = F.linear(x, weight, bias)
     if silu_mul:
         return silu_and_mul(y)
-    return F.gelu(y) if gelu else y
+    return gelu_pass(y) if gelu else y
 
 
 def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, config: GemmConfig,
@@ -505,7 +505,7 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if GELU:  # rounded first, as the reference's F.gelu(F.linear(...)) sees it
             acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-            acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+            acc = gelu_exact(acc)
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
