@@ -132,6 +132,9 @@ def main():
     ap.add_argument("--eager", action="store_true", help="time plain launches instead of CUDA graph replays")
     ap.add_argument("--sweep", action="store_true", help="time the Triton kernel's configurations at its short shapes")
     ap.add_argument("--json", help="with --sweep: write every configuration's time to this file")
+    ap.add_argument("--block-m", type=int, nargs="+", default=[16, 32, 64, 128], help="with --sweep: query tile rows to try (default 16 32 64 128)")
+    ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128], help="with --sweep: key tile rows to try (default 32 64 128)")
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="with --sweep: warps a program to try (default 4 8)")
     ap.add_argument("--shapes", default="", help="with --sweep: a comma list of the shapes to sweep (default: all), e.g. '1 x 128,100 x 256'")
     ap.add_argument("--masking", choices=("causal", "bidirectional"),
                     help="with --sweep: the masking to sweep (default: the geometry's own, Qwen3 causal, MiniLM bidirectional; "
@@ -213,7 +216,7 @@ def sweep(args) -> None:
     varlen = select_backend("varlen", dev)
     cudnn = sdpa_batched("cudnn", hq, hkv, d)
     packs = (False, True) if hq != hkv else (False,)
-    configs = list(itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3), packs))
+    configs = list(itertools.product(args.block_m, args.block_n, args.warps, (1, 2, 3), packs))
     print(f"{args.geometry}, {str(dtype).removeprefix('torch.')}, {'causal' if causal else 'bidirectional'}, "
           f"us per call ({'eager' if args.eager else 'CUDA graph'})")
     table, lines = {}, []

@@ -33,3 +33,12 @@ def test_graph_batch_is_laid_out_as_the_engine_captures_it():
 def test_without_cuda_it_says_so():
     out = run_bench("attention.py", "--buckets", timeout=120)
     assert out.returncode == 1 and "needs a CUDA GPU" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
+def test_sweep_grid_options_parse():
+    out = run_bench("attention.py", "--sweep", "--geometry", "minilm-l6", "--block-m", "128", "256", "--block-n", "64",
+                    "--warps", "8", "16", timeout=120)
+    assert out.returncode == 1 and "needs a CUDA GPU" in out.stderr, out.stderr[-2000:]
+    out = run_bench("attention.py", "--sweep", "--block-m", "x", timeout=120)
+    assert out.returncode == 2 and "--block-m" in out.stderr
