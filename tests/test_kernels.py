@@ -354,10 +354,10 @@ def test_pdl_product_compiles_for_hopper(pdl_on):
 
 
 @pytest.mark.parametrize("pdl_on", [True, False])
-@pytest.mark.parametrize("kernel", ["layer_norm", "embed_layer_norm", "segment_mean"])
+@pytest.mark.parametrize("kernel", ["layer_norm", "embed_layer_norm", "segment_mean", "gelu"])
 def test_pdl_bert_kernels_compile_for_hopper(kernel, pdl_on):
-    """BERT's own kernels (LayerNorm + residual, embeddings + LayerNorm, mean pooling) wait
-    under PDL like the rest of a layer's Triton kernels: the wait before their first load."""
+    """BERT's own kernels (LayerNorm + residual, embeddings + LayerNorm, mean pooling, the exact
+    GELU) wait under PDL like the rest of a layer's Triton kernels: the wait before their first load."""
     from florist.kernels import embeddings, pooling
 
     if kernel == "layer_norm":
@@ -371,6 +371,10 @@ def test_pdl_bert_kernels_compile_for_hopper(kernel, pdl_on):
         args += [(n, "*fp16") for n in ("word_ptr", "pos_ptr", "types_ptr", "w_ptr", "b_ptr", "out_ptr")]
         args += [("num_tokens", "i32"), ("H", "i32"), ("eps", "fp32")]
         const = dict(HAS_TYPES=True, BLOCK_ROWS=4, BLOCK_COLS=512)
+    elif kernel == "gelu":
+        fn = activation._gelu_kernel
+        args = [("x_ptr", "*fp16"), ("out_ptr", "*fp16"), ("n", "i32")]
+        const = dict(BLOCK=4096)
     else:
         fn = pooling._segment_mean_kernel
         args = [("x_ptr", "*fp16"), ("cu_ptr", "*i32"), ("out_ptr", "*fp32"), ("H", "i32"), ("stride_t", "i32")]
