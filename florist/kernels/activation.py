@@ -97,15 +97,15 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, P
 
 # -- exact GELU --------------------------------------------------------------------------------
 # GELU(x) = x * Phi(x), Phi the standard normal CDF. The pass is bound by its arithmetic, not its
-# bytes: libdevice's erf costs ~40 instructions an element, and on the H200 an erf pass over
-# MiniLM's [25,600, 1,536] fp16 intermediate took 52.6 us (F.gelu) against 40.3 for a copy of the
-# same bytes (docs/benchmarks.md, "The exact GELU's pass"). `gelu_exact` takes Phi from erfc in
+# bytes: on the H200 F.gelu over MiniLM's [25,600, 1,536] fp16 intermediate took 52.6 us against
+# 40.3 for a copy of the same bytes, and a tanh-form GELU (not exact) as long as the copy
+# (docs/benchmarks.md, "The exact GELU's pass"). `gelu_exact` takes Phi from erfc in
 # the form erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z / 2), with P a degree-6 polynomial fitted
 # (minimax on the relative error) over z in [0, 6]: relative error < 2.8e-6 there, < 3e-4 out to
 # z = 12, where only bf16's tail can still see it; below |x| = 2^-7 the first term of Phi's series
 # is taken instead. Over every finite fp16 input its fp16 result differs from the correctly rounded
-# exact GELU in 36 of 63,488 values (numpy's float32 model of it), by one unit in the last place,
-# where F.gelu on CUDA differs in 370 (bench/kernels.py --gelu counts both on the GPU).
+# exact GELU in 33 of 63,488 values on the H200, by one unit in the last place, where F.gelu on
+# CUDA differs in 370 (`bench/kernels.py --gelu` counts them).
 # The coefficients are P's times log2(e), so the exponential is one exp2.
 _GELU_BLOCK = 4096  # elements a program (8 warps): the fastest of 1,024-4,096 on the H200
 # FLORIST_GELU_KERNEL=0 keeps F.gelu on CUDA too (for side-by-side measurements).
