@@ -398,3 +398,16 @@ def test_pooling_configuration():
     for bad in ("256x32x128", "256x48x128x4", "16x32x64x4", "ax32x64x4"):
         with pytest.raises(ValueError, match="SPANxBLOCK_TxBLOCK_HxWARPS"):
             PoolConfig.parse(bad)
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "1"), ("0", "0")])
+def test_fp_fusion_default_is_kept(preset, expected):
+    """florist.kernels keeps Triton's fused multiply-add default (what every kernel was measured
+    and checked with) unless the environment already chose."""
+    env = {k: v for k, v in _subprocess_env().items() if k != "TRITON_DEFAULT_FP_FUSION"}
+    if preset is not None:
+        env["TRITON_DEFAULT_FP_FUSION"] = preset
+    code = "import os, florist.kernels; print(os.environ['TRITON_DEFAULT_FP_FUSION'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == expected
