@@ -254,8 +254,8 @@ def _gelu(dtype, cols):
 def _gelu_nonfinite(dtype):
     def case(g: Inputs, big: bool):
         # +inf is left out: torch's CPU kernels give NaN for it, CUDA's and the kernel +inf.
-        x = torch.tensor([float("nan"), -float("inf"), 0.0, -0.0, 200.0, -200.0, 6.5, -6.5, -9.0, 1e-6, -1e-6], dtype=dtype)
-        assert_matches(activation.gelu_triton(x.to(g.device)), activation.gelu_exact_ref(x.to(g.device)))
+        x = torch.tensor([float("nan"), -float("inf"), 0.0, -0.0, 200.0, -200.0, 6.5, -6.5, -9.0, 1e-6, -1e-6], dtype=dtype, device=g.device)
+        assert_matches(activation.gelu_triton(x), activation.gelu_exact_ref(x))
 
     return case
 
