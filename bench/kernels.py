@@ -6,6 +6,13 @@
     python bench/kernels.py --decode-layer [--batches 1 2 4] [--contexts 256] [--sweep]
     python bench/kernels.py --pooling [--sweep]
     python bench/kernels.py --gelu [--tokens 3200 12800 25600 51200]
+    python bench/kernels.py --norms
+
+--norms times the add + norm kernels (florist/kernels/norms.py, embeddings.py) at the shapes the
+models run them (all-MiniLM-L6-v2's LayerNorms of 384 columns, Qwen3-0.6B's add + RMSNorm of
+1,024, plain and summing four split-K partials) under every row blocking of a grid (rows a
+program, warps), each checked against the picked one first: what `norms._row_blocking` picks,
+the formula before it, and the best.
 
 --pooling times mean pooling (florist/kernels/pooling.py) over the batches the embedders pool
 (all-MiniLM-L6-v2 and pplx-embed widths, graph buckets' empty trailing sequences included):
@@ -234,6 +241,87 @@ def gelu_rows(tokens: list[int], reps: int) -> list[tuple]:
     return rows
 
 
+NORM_SHAPES = [  # (name, kind, rows, columns, dtype)
+    ("embeddings + LayerNorm", "embed", 25600, 384, torch.float16),
+    ("add + LayerNorm", "layer", 25600, 384, torch.float16),
+    ("add + LayerNorm", "layer", 12800, 384, torch.float16),
+    ("add + LayerNorm", "layer", 128, 384, torch.float16),
+    ("add + RMSNorm", "rms", 16384, 1024, torch.bfloat16),
+    ("add + RMSNorm", "rms", 512, 1024, torch.bfloat16),
+    ("add + RMSNorm", "rms", 128, 1024, torch.bfloat16),
+    ("add + RMSNorm of 4 split-K partials", "partials", 128, 1024, torch.bfloat16),
+    ("add + RMSNorm of 4 split-K partials", "partials", 100, 1024, torch.bfloat16),
+    ("add + RMSNorm of 4 split-K partials", "partials", 64, 1024, torch.bfloat16),
+]
+
+
+def _formula_blocking(n_cols: int) -> tuple[int, int, int]:
+    """The blocking every norm had before `_row_blocking` took measured exceptions."""
+    block_cols = 1 << (n_cols - 1).bit_length()
+    block_rows = max(1, min(16, 2048 // block_cols))
+    return block_rows, block_cols, min(16, max(1, block_rows * block_cols // 256))
+
+
+def norm_rows(reps: int) -> list[tuple]:
+    """(shape, {variant: us}, best (rows, warps)) per shape; every blocking checked against the picked one."""
+    from unittest import mock
+
+    from florist.kernels import embeddings
+    from florist.kernels.split_k import SplitKPartials
+
+    dev, rows = torch.device("cuda"), []
+    for name, kind, m, n, dtype in NORM_SHAPES:
+        torch.manual_seed(0)
+        # Two input sets in turn where one outgrows half the L2: each call then reads from HBM, as the step's does.
+        sets = 2 if m * n * 2 * 3 > 24e6 else 1
+        w, b = torch.rand(n, device=dev, dtype=dtype) + 0.5, torch.randn(n, device=dev, dtype=dtype)
+        if kind == "embed":
+            tables = [torch.randn(r, n, device=dev, dtype=dtype) for r in (30522, 512, 2)]
+            ins = [(torch.randint(0, 30522, (m,), device=dev, dtype=torch.int32), torch.arange(m, device=dev, dtype=torch.int32) % 256)
+                   for _ in range(sets)]
+            call = lambda i: embeddings.embed_layer_norm_triton(*ins[i], None, *tables, w, b, EPS)  # noqa: E731
+        elif kind == "partials":
+            ins = [(SplitKPartials(torch.randn(4, m, n, device=dev), None, dtype), torch.randn(m, n, device=dev, dtype=dtype))
+                   for _ in range(sets)]
+            call = lambda i: norms.add_rms_norm_triton(ins[i][0], ins[i][1], w, EPS)  # noqa: E731
+        else:
+            ins = [(torch.randn(m, n, device=dev, dtype=dtype), torch.randn(m, n, device=dev, dtype=dtype)) for _ in range(sets)]
+            if kind == "layer":
+                call = lambda i: norms.add_layer_norm_triton(ins[i][0], ins[i][1], w, b, EPS)  # noqa: E731
+            else:
+                call = lambda i: norms.add_rms_norm_triton(ins[i][0], ins[i][1], w, EPS)  # noqa: E731
+        turn = [0]
+
+        def run():
+            turn[0] = (turn[0] + 1) % sets
+            return call(turn[0])
+
+        picked = norms._row_blocking(n, layer_norm=kind in ("embed", "layer"))
+        want = call(0)
+        want = want[0] if isinstance(want, tuple) else want
+        block_cols = picked[1]
+        grid = [(r, wp) for r in (1, 2, 4, 8) for wp in (1, 2, 4, 8, 16) if 2 <= r * block_cols // (32 * wp) <= 64]
+        times, best = {}, None
+        for blocking in [("picked", picked), ("formula", _formula_blocking(n))] + [(f"{r}x{wp}", (r, block_cols, wp)) for r, wp in grid]:
+            label, (r, bc, wp) = blocking
+            with mock.patch.object(norms, "_row_blocking", lambda *a, _b=(r, bc, wp), **k: _b):
+                got = call(0)
+                got = got[0] if isinstance(got, tuple) else got
+                torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+                us = time_in_graph(run, 20, reps)
+            if label in ("picked", "formula"):
+                times[label] = us
+            if best is None or us < best[1]:
+                best = ((r, wp), us)
+        times["best"] = best[1]
+        rows.append((f"{name}, {str(dtype)[6:]}, {m} x {n}", times, picked, best[0]))
+        print(f"{rows[-1][0]:<52} " + "  ".join(f"{k} {v:6.2f}" for k, v in times.items())
+              + f"  picked {picked[0]}x{picked[2]}  best {best[0][0]}x{best[0][1]}", flush=True)
+        del ins
+        torch.cuda.empty_cache()
+    return rows
+
+
 def decode_attention_rows(batches: list[int], contexts: list[int], dtype: torch.dtype, reps: int) -> list[tuple]:
     """(batch, context, {backend: us}, max |triton - torch|) per shape; every sequence has
     `context` cached tokens in a cache of max(contexts) positions per slot."""
@@ -364,6 +452,7 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="--decode-layer / --pooling: also tile / warp / slicing variants")
     parser.add_argument("--pooling", action="store_true", help="time mean pooling's configurations instead")
     parser.add_argument("--gelu", action="store_true", help="time the exact GELU pass instead (--tokens: rows, default 3200 12800 25600 51200)")
+    parser.add_argument("--norms", action="store_true", help="time the add + norm kernels' row blockings instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -387,6 +476,13 @@ def main() -> int:
         print("|---:|---|---:|---:|---:|---:|---:|")
         for m, dtype, t, floor_us in rows:
             print(f"| {m} | {str(dtype)[6:]} | {t['F.gelu']:.2f} | {t['triton']:.2f} | {t['copy']:.2f} | {floor_us:.2f} | {t['F.gelu'] / t['triton']:.2f}x |")
+        return 0
+    if args.norms:
+        rows = norm_rows(args.reps)
+        print("\n| norm | picked (rows x warps) | us | formula (us) | best (rows x warps) | us |")
+        print("|---|---|---:|---:|---|---:|")
+        for name, t, picked, best in rows:
+            print(f"| {name} | {picked[0]} x {picked[2]} | {t['picked']:.2f} | {t['formula']:.2f} | {best[0]} x {best[1]} | {t['best']:.2f} |")
         return 0
     if args.decode_layer:
         rows = decode_layer_rows(args.batches if args.batches != [1, 8, 32] else [1, 2, 4], args.contexts or [256], dtype, args.reps, args.sweep)

@@ -22,7 +22,7 @@ def test_gemm_without_cuda_says_so(args):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
-@pytest.mark.parametrize("args", [(), ("--pooling", "--sweep"), ("--decode",), ("--gelu",)])
+@pytest.mark.parametrize("args", [(), ("--pooling", "--sweep"), ("--decode",), ("--gelu",), ("--norms",)])
 def test_kernels_without_cuda_says_so(args):
     out = run_bench("kernels.py", *args)
     assert out.returncode == 1 and "needs a CUDA GPU" in out.stderr, out.stderr[-2000:]

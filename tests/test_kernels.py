@@ -382,6 +382,20 @@ def test_pdl_bert_kernels_compile_for_hopper(kernel, pdl_on):
     _assert_waits_first(_hopper_ptx(fn, args, const, pdl_on), pdl_on)
 
 
+def test_norm_row_blocking():
+    """A norm program takes ~2k elements, a warp per 256 of them, but for the measured shapes:
+    RMSNorms of 1,024 columns (Qwen3-0.6B's hidden size) one row to an 8-warp program, the same
+    for every RMSNorm path (plain, split-K partials, the product's fused norm: their bits agree only so), and
+    LayerNorms of 257-512 columns (MiniLM's 384) two rows to a one-warp program."""
+    assert norms._row_blocking(1024) == norms._row_blocking(1000) == (1, 1024, 8)
+    assert norms._row_blocking(1024, layer_norm=True) == (2, 1024, 8)  # not measured: the formula
+    assert norms._row_blocking(384, layer_norm=True) == norms._row_blocking(512, layer_norm=True) == (2, 512, 1)
+    assert norms._row_blocking(384) == (4, 512, 8)  # RMSNorms of 384 keep the formula
+    assert norms._row_blocking(256, layer_norm=True) == (8, 256, 8)
+    assert norms._row_blocking(128) == (16, 128, 8)  # QK-norm over head_dim
+    assert norms._row_blocking(2048) == (1, 2048, 8) and norms._row_blocking(4096) == (1, 4096, 16)
+
+
 def test_pooling_configuration():
     """Mean pooling reads as many rows a load as the longest sequence has (16-256), in 64-column
     programs, a few sequences of 257-1,024 tokens in 64-token spans; FLORIST_POOL_CONFIG's text

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from florist.kernels import pdl
+from florist.kernels import norms, pdl
 
 try:
     import triton
@@ -53,9 +53,7 @@ def embed_layer_norm_triton(ids, positions, type_ids, word, pos, types, weight, 
     out = torch.empty((num_tokens, h), dtype=word.dtype, device=word.device)
     if num_tokens == 0:
         return out
-    block_cols = triton.next_power_of_2(h)
-    block_rows = max(1, min(16, 2048 // block_cols))
-    num_warps = min(16, max(1, block_rows * block_cols // 256))
+    block_rows, block_cols, num_warps = norms._row_blocking(h, layer_norm=True)
     _embed_layer_norm_kernel[(triton.cdiv(num_tokens, block_rows),)](
         ids, positions, type_ids if type_ids is not None else ids, word, pos, types, weight, bias, out, num_tokens, h, eps,
         HAS_TYPES=type_ids is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,

@@ -159,7 +159,7 @@ def add_layer_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight
         return out
     res = x if residual is None else residual
     num_rows, num_heads, n_cols = _rows(x)
-    block_rows, block_cols, num_warps = _row_blocking(n_cols)
+    block_rows, block_cols, num_warps = _row_blocking(n_cols, layer_norm=True)
     _layer_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         x, res, weight, bias, out,
         num_rows, num_heads, *_row_strides(x), *_row_strides(res), n_cols, eps,
@@ -243,9 +243,21 @@ def _row_strides(x):
     return (x.stride(0), x.stride(1)) if x.dim() == 3 else (x.stride(0), 0)
 
 
-def _row_blocking(n_cols: int):
-    """Short rows (QK-norm over head_dim) share a program so each one moves >= ~2k elements."""
+def _row_blocking(n_cols: int, layer_norm: bool = False):
+    """-> (rows a program, BLOCK_COLS, warps) for rows of n_cols. Short rows (QK-norm over
+    head_dim) share a program so each one moves >= ~2k elements, a warp per 256 of them. Two
+    shapes measured otherwise (`bench/kernels.py --norms`, docs/benchmarks.md "The norms' row
+    blocking"): RMSNorms of 513-1,024 columns (Qwen3-0.6B's hidden size) take a program a row
+    with 8 warps, and LayerNorms of 257-512 columns (MiniLM's 384) two rows to a one-warp program.
+
+    Every RMSNorm of a width blocks alike, the split-K partials' and the product's fused norm
+    (`skinny_gemm_add_rms_norm_triton`) included: a row's sum of squares follows the layout, so
+    the three ways through a product and its norm give the same bits only this way."""
     block_cols = triton.next_power_of_2(n_cols)
+    if layer_norm and 256 < block_cols <= 512:
+        return 2, block_cols, 1
+    if not layer_norm and block_cols == 1024:
+        return 1, block_cols, 8
     block_rows = max(1, min(16, 2048 // block_cols))
     num_warps = min(16, max(1, block_rows * block_cols // 256))
     return block_rows, block_cols, num_warps
