@@ -16,10 +16,13 @@ The floor is the weight bytes / 4.2 TB/s.
     python bench/gemm.py [--m 1 16 64 128 256 512] [--sweep] [--json OUT]
 
 --wide times the many-row products instead (florist/kernels/wide_gemm.py, 512-16,384 rows: an
-embedding batch's prefill): cuBLAS (+ the SwiGLU kernel) against the persistent TMA kernel,
-SwiGLU fused for gate/up, plain for the others; with --sweep, a list of its configurations.
+embedding batch's prefill): cuBLAS (+ the SwiGLU kernel, + the GELU pass) against the persistent
+TMA kernel, on Qwen3-0.6B's products (bf16; SwiGLU fused for gate/up, plain for the others) and
+all-MiniLM-L6-v2's (fp16, with bias; bias + GELU fused for the up projection); "picked" is
+`wide_gemm.pick`'s choice where it makes one; with --sweep, the best of a list of configurations
+(MiniLM's: also fewer stages and two or three programs an SM), each checked first.
 
-    python bench/gemm.py --wide [--wide-m 512 1024 4096 16384] [--sweep]
+    python bench/gemm.py --wide [--wide-m 512 1024 4096 16384] [--shapes minilm] [--sweep]
 
 --tma times the Hopper form of the skinny product (operands by TMA, `skinny_gemm.tma_gemm`) on
 Qwen3-0.6B's products at the row counts of the graph buckets up to 512: cuBLAS (+ the SwiGLU
@@ -145,14 +148,27 @@ def sweep_configs(m: int, silu_mul: bool) -> list[GemmConfig]:
     return out
 
 
-# name, N (weight rows), K, SwiGLU fused: Qwen3-0.6B's products
-WIDE_SHAPES = [("qwen3 qkv", 4096, 1024, False), ("qwen3 o", 1024, 2048, False), ("qwen3 gate_up+silu", 6144, 1024, True),
-               ("qwen3 down", 1024, 3072, False)]
+# name, N (weight rows), K, epilogue: Qwen3-0.6B's products (bf16, no bias) and all-MiniLM-L6-v2's
+# (fp16, with bias; the up projection with the exact GELU)
+WIDE_SHAPES = [("qwen3 qkv", 4096, 1024, wide_gemm.NONE), ("qwen3 o", 1024, 2048, wide_gemm.NONE),
+               ("qwen3 gate_up+silu", 6144, 1024, wide_gemm.SWIGLU), ("qwen3 down", 1024, 3072, wide_gemm.NONE),
+               ("minilm qkv", 1152, 384, wide_gemm.NONE), ("minilm o", 384, 384, wide_gemm.NONE),
+               ("minilm up+gelu", 1536, 384, wide_gemm.GELU), ("minilm down", 384, 1536, wide_gemm.NONE)]
 
 
-def wide_sweep(silu: bool) -> list[wide_gemm.WideConfig]:
-    """(BM, BN, BK, warps, stages) that fit the SM's shared memory; for SwiGLU BN is per half."""
+def wide_sweep(silu: bool, short_k: bool = False) -> list[wide_gemm.WideConfig]:
+    """(BM, BN, BK, warps, stages) that fit the SM's shared memory; for SwiGLU BN is per half.
+    With short_k (MiniLM's K of 384-1,536: a tile's product is a few K blocks long) also fewer
+    stages and two or three programs an SM, whose epilogues then overlap the others' products."""
     w = wide_gemm.WideConfig
+    if short_k:
+        out = []
+        for bm, bn, warps, stages, per_sm in itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3, 4), (1, 2, 3)):
+            smem = stages * (bm + bn) * 64 * 2 + bm * bn * 2  # operand stages + the output tile TMA stores from
+            if smem * per_sm > 220 * 1024 or (bm * bn >= 128 * 256 and warps == 4) or (bm == 64 and bn == 64 and warps == 8):
+                continue
+            out.append(w(bm, bn, 64, warps, stages, 8, per_sm))
+        return out
     if silu:
         return [w(128, 128, 64, 8, 3), w(128, 128, 64, 8, 4), w(128, 64, 64, 4, 4), w(128, 64, 64, 8, 4), w(64, 128, 64, 4, 4)]
     return [w(128, 256, 64, 8, 3), w(128, 128, 64, 8, 4), w(128, 128, 64, 4, 4), w(256, 128, 64, 8, 3), w(128, 128, 128, 8, 3)]
@@ -278,29 +294,47 @@ def wide_main(args) -> int:
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
     print(f"{'shape':20s} {'M':>6s} {'cublas':>8s} {'picked':>8s} {'best':>8s}  TFLOP/s cublas / picked / best; best config (us per call)", flush=True)
     rows = []
-    for name, n, k, silu in WIDE_SHAPES:
-        weights = hbm_weights(n, k)
+    prefixes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    for name, n, k, epilogue in WIDE_SHAPES:
+        if prefixes and not any(name.startswith(p) for p in prefixes):
+            continue
+        silu, minilm = epilogue == wide_gemm.SWIGLU, name.startswith("minilm")
+        dtype = torch.float16 if minilm else torch.bfloat16
+        weights = [w.to(dtype) for w in hbm_weights(n, k)]
+        bias = torch.randn(n, device=dev, dtype=dtype) * 0.1 if minilm else None
         copies = len(weights)
         for m in args.wide_m:
             x = torch.randn(m, k, device=dev, dtype=dtype)
             flops = 2 * m * n * k
-            epilogue = wide_gemm.SWIGLU if silu else wide_gemm.NONE
-            cublas = unfused(x, weights, silu)
+
+            def cublas(i):  # what the model runs without the kernel: cuBLAS, then the activation's own pass
+                y = F.linear(x, weights[i], bias)
+                return activation.silu_and_mul(y) if silu else activation.gelu(y) if epilogue == wide_gemm.GELU else y
 
             def run(cfg):
-                return lambda i: wide_gemm.wide_gemm(x, weights[i], cfg, epilogue)
+                return lambda i: wide_gemm.wide_gemm(x, weights[i], cfg, epilogue, bias)
 
             t_cublas = time_graph(cublas, copies)
-            picked = wide_gemm.pick(m) if silu else None
+            picked = wide_gemm.pick(m, epilogue, n, k)
             t_picked = None
             if picked is not None:
                 check_close(run(picked)(0), cublas(0).float(), f"{name} M={m} {picked}")
                 t_picked = time_graph(run(picked), copies)
-            best, best_cfg = sweep_best(wide_sweep(silu), run, copies) if args.sweep else (None, None)
+            configs = wide_sweep(silu, short_k=minilm)
+            if args.sweep:
+                for cfg in configs:  # every candidate checked before any is timed
+                    try:
+                        got = run(cfg)(0)
+                    except Exception as exc:  # out of shared memory and the like: sweep_best skips it too
+                        print(f"  {cfg} does not launch: {type(exc).__name__}", file=sys.stderr)
+                        continue
+                    check_close(got, cublas(0).float(), f"{name} M={m} {cfg}")
+            best, best_cfg = sweep_best(configs, run, copies) if args.sweep else (None, None)
             rows.append({"shape": name, "m": m, "n": n, "k": k, "cublas_us": t_cublas, "picked_us": t_picked,
                          "picked": picked.__dict__ if picked else None, "best_us": best, "best": best_cfg.__dict__ if best_cfg else None})
             tf = lambda v: f"{flops / v / 1e6:4.0f}" if v else "   -"  # noqa: E731
-            cfg_s = "-" if best_cfg is None else f"m{best_cfg.block_m} n{best_cfg.block_n} k{best_cfg.block_k} w{best_cfg.num_warps} st{best_cfg.num_stages}"
+            cfg_s = "-" if best_cfg is None else (f"m{best_cfg.block_m} n{best_cfg.block_n} k{best_cfg.block_k} w{best_cfg.num_warps} "
+                                                  f"st{best_cfg.num_stages} x{best_cfg.per_sm}")
             print(f"{name:20s} {m:6d} {fmt_us(t_cublas, 8, 1)} {fmt_us(t_picked, 8, 1)} {fmt_us(best, 8, 1)}  {tf(t_cublas)} / {tf(t_picked)} / {tf(best)}; {cfg_s}", flush=True)
         del weights
         torch.cuda.empty_cache()

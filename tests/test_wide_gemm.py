@@ -58,6 +58,20 @@ x[3, 5], x[7, 0] = float("nan"), float("inf")
 w = (torch.randn(128, 64, generator=g) * 0.1).to(dt)
 close(wg.wide_gemm(x, w, wg.WideConfig(64, 64, 64, 4, 2, 2)), product(x, w), "none nan/inf")
 close(wg.wide_gemm(x, w, wg.WideConfig(64, 32, 64, 4, 2, 2), wg.SWIGLU), silu_and_mul_ref(product(x, w)), "swiglu nan/inf")
+
+# A bias, and the exact GELU after it (all-MiniLM-L6-v2's up projection): rounded as cuBLAS and
+# activation.gelu's pass round them; two programs a multiprocessor walk the tiles as one does.
+from florist.kernels.activation import gelu_exact_ref
+x = torch.randn(150, 96, generator=g).to(dt)
+x[9, 4] = float("nan")
+w = (torch.randn(192, 96, generator=g) * 0.3).to(dt)
+b = torch.randn(192, generator=g).to(dt)
+want = F.linear(x.float(), w.float(), b.float()).to(dt)
+cfg = wg.WideConfig(64, 64, 64, 4, 2, 2)
+close(wg.wide_gemm(x, w, cfg, wg.NONE, b), want, "bias")
+close(wg.wide_gemm(x, w, cfg, wg.GELU, b), gelu_exact_ref(want), "bias gelu")
+close(wg.wide_gemm(x, w, cfg, wg.GELU), gelu_exact_ref(product(x, w)), "gelu")
+close(wg.wide_gemm(x, w, wg.WideConfig(64, 64, 64, 4, 2, 2, per_sm=2), wg.GELU, b), gelu_exact_ref(want), "gelu, two programs a multiprocessor")
 print("wide gemm ok")
 """
 
@@ -77,6 +91,23 @@ def test_pick_leaves_few_rows_to_cublas():
 
     assert wg.pick(wg.MIN_ROWS - 1) is None and wg.pick(16384, wg.NONE) is None
     assert all(wg.pick(m) is not None for m in (wg.MIN_ROWS, 1024, 2048, 8192, 16384))
+
+
+def test_pick_takes_short_k_products_with_gelu_or_wide_outputs():
+    """all-MiniLM-L6-v2 (K = 384): the up projection with its GELU from GELU_MIN_ROWS rows, the
+    qkv product from PLAIN_MIN_ROWS; its o and down products, and Qwen3's plain ones, stay with
+    cuBLAS."""
+    from florist.kernels import wide_gemm as wg
+
+    m = 25600  # the 100 x 256 graph bucket
+    gelu = wg.pick(m, wg.GELU, 1536, 384)
+    assert gelu is not None and gelu.per_sm == 2
+    assert wg.pick(m, wg.NONE, 1152, 384) is not None
+    assert wg.pick(wg.GELU_MIN_ROWS - 1, wg.GELU, 1536, 384) is None and wg.pick(wg.GELU_MIN_ROWS, wg.GELU, 1536, 384) is not None
+    assert wg.pick(wg.PLAIN_MIN_ROWS - 1, wg.NONE, 1152, 384) is None
+    for n, k in ((384, 384), (384, 1536), (4096, 1024), (1024, 2048), (1024, 3072)):
+        assert wg.pick(m, wg.NONE, n, k) is None, (n, k)
+    assert wg.pick(m, wg.GELU, 3072, 768) is None  # K = 768: not measured
     assert not wg.applies(torch.zeros(4096, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16))  # CPU
 
 
@@ -145,6 +176,49 @@ def test_qwen3_embedder_with_and_without_the_wide_kernel(tmp_path, monkeypatch):
     monkeypatch.setattr(wg, "ENABLED", False)
     calls.clear()
     plain = florist.Engine.from_pretrained(tmp_path, device="cuda").embed(ids)
+    assert not calls
+
+    def cos(a, b):
+        return ((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min()
+
+    assert cos(fused, plain) > 0.9999 and cos(fused, ref) > 0.999
+
+
+@pytest.mark.gpu(capability=(9, 0))
+def test_minilm_geometry_with_and_without_the_wide_kernel(tmp_path, monkeypatch):
+    """A 2-layer BERT of all-MiniLM-L6-v2's geometry (hidden 384, intermediate 1536), fp16, fed 100
+    x 256 tokens (25,600 rows): its qkv and up projections run the kernel (the up projection with
+    bias and GELU in the epilogue), and the embeddings match the same engine without it and the
+    fp32 CPU engine."""
+    import florist
+    from florist.kernels import wide_gemm as wg
+    from models import _st_files, make_tokenizer, vocab_size
+    from transformers import BertConfig, BertModel
+
+    make_tokenizer(tmp_path, "bert")
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=vocab_size(tmp_path), hidden_size=384, num_hidden_layers=2, num_attention_heads=12, intermediate_size=1536,
+                     max_position_embeddings=512)
+    BertModel(cfg, add_pooling_layer=False).eval().save_pretrained(tmp_path)
+    _st_files(tmp_path, "mean", True, 256, dim=384)
+    ids = [list(np.random.default_rng(i).integers(10, cfg.vocab_size - 10, 256)) for i in range(100)]
+    ref = florist.Engine.from_pretrained(tmp_path, device="cpu").embed(ids)
+    calls = []
+    launch = wg.wide_gemm
+
+    def counted(x, weight, config, epilogue=wg.NONE, bias=None):
+        calls.append((tuple(weight.shape), epilogue, bias is not None))
+        return launch(x, weight, config, epilogue, bias)
+
+    def engine():
+        return florist.Engine.from_pretrained(tmp_path, device="cuda", dtype="float16", max_batch_tokens=32768)
+
+    monkeypatch.setattr(wg, "wide_gemm", counted)
+    fused = engine().embed(ids)
+    assert {((1536, 384), wg.GELU, True), ((1152, 384), wg.NONE, True)} <= set(calls), set(calls)
+    monkeypatch.setattr(wg, "ENABLED", False)  # a separate engine: a captured graph keeps its kernels
+    calls.clear()
+    plain = engine().embed(ids)
     assert not calls
 
     def cos(a, b):

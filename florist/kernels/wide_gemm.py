@@ -1,4 +1,5 @@
-"""Matrix products with many rows (prefill of hundreds to thousands of tokens), SwiGLU fused.
+"""Matrix products with many rows (prefill of hundreds to thousands of tokens), SwiGLU or bias +
+GELU fused.
 
 At 100 x 512 tokens an engine step is up to 16,384 rows and each product is compute-bound:
 cuBLAS runs at ~660-700 TFLOP/s there. Beside the products, each elementwise op after them costs
@@ -18,9 +19,14 @@ blocks sweep the columns together, so a weight tile is reused from L2); operands
     silu(gate) * up, each step rounded as cuBLAS + `activation.silu_and_mul` round it (the
     product to the activation dtype, silu to it, then the multiply).
 
-`EPILOGUE` NONE (plain y = x @ w.T) is there for measurements: it does not beat cuBLAS on
-Qwen3's qkv, o or down at 512-16,384 rows (bench/gemm.py --wide --sweep), so the model runs only
-the SwiGLU form, where `pick` chooses it, and cuBLAS + `silu_and_mul` elsewhere.
+`EPILOGUE` NONE (plain y = x @ w.T + bias) does not beat cuBLAS on Qwen3's qkv, o or down at
+512-16,384 rows (bench/gemm.py --wide --sweep), nor on all-MiniLM-L6-v2's o and down; it does on
+MiniLM's qkv at 25,600 rows and more. `EPILOGUE` GELU adds the bias and the exact GELU
+(`activation.gelu_exact`) to BERT's up projection, so the GELU's pass over [T, 4H] is gone. With
+K = 384 a tile's product is six K blocks, as short as its epilogue: there the kernel runs two
+programs an SM (`WideConfig.per_sm`) with two operand stages each, so one program's epilogue
+runs while the other's products use the tensor cores. `pick` says which shapes take which form;
+`linear` is the entry the model's layers call (florist/layers/linear.py).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from florist.kernels.activation import swiglu_tile
+from florist.kernels.activation import gelu_exact, swiglu_tile
 
 try:
     import triton
@@ -45,7 +51,7 @@ except ImportError:  # an older Triton: no host-side tensor descriptors, no wide
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
-NONE, SWIGLU = 0, 1
+NONE, SWIGLU, GELU = 0, 1, 2
 _DTYPES = (torch.float16, torch.bfloat16)
 # FLORIST_WIDE_GEMM=0 keeps cuBLAS and the separate kernels (for side-by-side measurements).
 ENABLED = os.environ.get("FLORIST_WIDE_GEMM", "1") != "0"
@@ -59,23 +65,49 @@ class WideConfig:
     num_warps: int = 8
     num_stages: int = 3
     group: int = 8
+    per_sm: int = 1  # programs a streaming multiprocessor: 2 or more overlap one's epilogue with another's products
 
 
 # Fewest rows the kernel takes: at 512 rows cuBLAS + silu_and_mul is as fast (bench/gemm.py --wide).
 MIN_ROWS = 1024
 
 
-def pick(m: int, epilogue: int = SWIGLU) -> WideConfig | None:
-    """The configuration for an [m, K] x [2I, K].T product with SwiGLU, or None where cuBLAS +
-    `silu_and_mul` is as fast. `bench/gemm.py --wide --sweep` on the H200, Qwen3-0.6B's gate/up
-    (6144 x 1024), us, kernel against cuBLAS + silu_and_mul: 15.1 vs 14.8 at 512 rows (no gain),
-    22.3 vs 25.1 at 1024, 39.0 vs 47.5 at 2048, 78.3 vs 91.5 at 4096, 161 vs 188 at 8192, 322 vs
-    383 at 16,384 (docs/benchmarks.md, "Wide products")."""
-    if epilogue != SWIGLU or m < MIN_ROWS:
+def pick(m: int, epilogue: int = SWIGLU, n: int = 0, k: int = 0) -> WideConfig | None:
+    """The configuration for an [m, k] x [n, k].T product (SwiGLU: [2I, k]), or None where cuBLAS
+    (+ the activation's own pass) is as fast. `bench/gemm.py --wide [--sweep]` on the H200, us:
+
+    - SwiGLU, Qwen3-0.6B's gate/up (6144 x 1024), against cuBLAS + silu_and_mul: 15.1 vs 14.8 at
+      512 rows (no gain), 22.3 vs 25.1 at 1024, 39.0 vs 47.5 at 2048, 78.3 vs 91.5 at 4096, 161
+      vs 188 at 8192, 322 vs 383 at 16,384 (docs/benchmarks.md, "Wide products").
+    - GELU with bias, all-MiniLM-L6-v2's up projection (1536 x 384, fp16), against cuBLAS +
+      activation.gelu, with two programs an SM (each one's epilogue overlapping the other's
+      products): 9.7 vs 8.6 at 1,024 rows, 12.2 vs 12.4 at 2,048, 23.4 vs 19.8 at 4,096, 35.0 vs
+      37.3 at 8,192, 56.7 vs 58.2 at 12,800, 102.4 vs 110.9 at 25,600, 202.0 vs 200.9 at 51,200.
+    - Plain, with bias: MiniLM's qkv (1152 x 384) 24.3 vs 22.5 at 12,800 rows, 45.2 vs 48.9 at
+      25,600, 89.7 vs 92.3 at 51,200; its o (384 x 384) and down (384 x 1536), and Qwen3's plain
+      products, no faster than cuBLAS at any row count: those stay with cuBLAS.
+    (docs/benchmarks.md, "MiniLM's products in the wide kernel".)"""
+    if m < MIN_ROWS:
         return None
-    if m < 2048:
-        return WideConfig(128, 64, 64, num_warps=4, num_stages=4)
-    return WideConfig(128, 128, 64, num_warps=8, num_stages=3)
+    if epilogue == SWIGLU:
+        if m < 2048:
+            return WideConfig(128, 64, 64, num_warps=4, num_stages=4)
+        return WideConfig(128, 128, 64, num_warps=8, num_stages=3)
+    if not 0 < k <= SHORT_K:
+        return None
+    if epilogue == GELU and m >= GELU_MIN_ROWS:
+        return WideConfig(128, 128, 64, num_warps=8, num_stages=2, per_sm=2)
+    if epilogue == NONE and n >= 2 * k and m >= PLAIN_MIN_ROWS:
+        return WideConfig(128, 128, 64, num_warps=4, num_stages=4)
+    return None
+
+
+# Products whose K is this short (a few K blocks a tile) take the kernel with a GELU from
+# GELU_MIN_ROWS rows and plain ones at least twice as wide as K from PLAIN_MIN_ROWS (measured on
+# all-MiniLM-L6-v2's shapes only, K = 384; `pick`).
+SHORT_K = 512
+GELU_MIN_ROWS = 8192
+PLAIN_MIN_ROWS = 25600
 
 
 # Shared memory a program of the largest `pick` configuration needs: 3 stages of x [128, 64] and
@@ -129,20 +161,36 @@ def applies(x: torch.Tensor, weight: torch.Tensor, epilogue: int = NONE) -> bool
     return ENABLED and x.is_cuda and hopper(x.device) and _supported(x, weight, epilogue)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool) -> torch.Tensor | None:
+    """x @ weight.T + bias (then the exact GELU) in one launch where the kernel applies and
+    `pick` chooses it for this shape; None elsewhere (the caller keeps its own path)."""
+    epilogue = GELU if gelu else NONE
+    if x.dim() != 2 or x.shape[0] < MIN_ROWS or not applies(x, weight, epilogue):
+        return None
+    if bias is not None and not (bias.shape == (weight.shape[0],) and bias.stride(0) == 1 and bias.device == x.device):
+        return None
+    config = pick(x.shape[0], epilogue, *weight.shape)
+    return wide_gemm(x, weight, config, epilogue, bias) if config is not None else None
+
+
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(x @ gate.T) * (x @ up.T) for a [gate | up] weight in one launch where the kernel
     applies (`applies`) and `pick` chooses it for x's rows; None elsewhere (the caller keeps
     skinny_gemm or cuBLAS + silu_and_mul)."""
     if not applies(x, gate_up, SWIGLU):
         return None
-    config = pick(x.shape[0], SWIGLU)
+    config = pick(x.shape[0], SWIGLU, *gate_up.shape)
     return wide_gemm(x, gate_up, config, SWIGLU) if config is not None else None
 
 
-def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogue: int = NONE) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T -> [M, N]; with SWIGLU (weight = [gate | up], N = 2I):
-    silu(x @ gate.T) * (x @ up.T) -> [M, I]."""
+def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogue: int = NONE, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias) -> [M, N]; with SWIGLU (weight = [gate | up], N = 2I, no
+    bias): silu(x @ gate.T) * (x @ up.T) -> [M, I]; with GELU: gelu(x @ weight.T + bias), the
+    exact GELU, each step rounded as cuBLAS + `activation.gelu` round it."""
     assert _supported(x, weight, epilogue), f"unsupported: x {x.dtype} {tuple(x.shape)} {x.stride()}, weight {weight.dtype} {tuple(weight.shape)} {weight.stride()}"
+    assert bias is None or (epilogue != SWIGLU and bias.shape == (weight.shape[0],) and bias.stride(0) == 1 and bias.device == x.device), (
+        f"bias {None if bias is None else tuple(bias.shape)} must be a contiguous [{weight.shape[0]}] on {x.device}, and SwiGLU takes none"
+    )
     # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
     assert not x.is_cuda or x.device.index == torch.cuda.current_device(), (
         f"tensors are on {x.device} but the current CUDA device is {torch.cuda.current_device()}; call torch.cuda.set_device({x.device}) first"
@@ -159,10 +207,11 @@ def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogu
     if m == 0 or n == 0:
         return out
     tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
-    programs = min(tiles, _num_sms(x.device))
+    programs = min(tiles, c.per_sm * _num_sms(x.device))
     _wide_gemm_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x, [c.block_m, c.block_k]), w_desc, TensorDescriptor.from_tensor(out, [c.block_m, c.block_n]), m, n, k,
-        BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP=c.group, EPILOGUE=epilogue, NUM_PROGRAMS=programs,
+        TensorDescriptor.from_tensor(x, [c.block_m, c.block_k]), w_desc, TensorDescriptor.from_tensor(out, [c.block_m, c.block_n]),
+        bias if bias is not None else out, m, n, k,
+        BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP=c.group, EPILOGUE=epilogue, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return out
@@ -175,8 +224,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 @_jit
-def _wide_gemm_kernel(x_desc, w_desc, out_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                      EPILOGUE: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+def _wide_gemm_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                      EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     per_group = GROUP * tiles_n
@@ -202,4 +251,10 @@ def _wide_gemm_kernel(x_desc, w_desc, out_desc, M, N, K, BM: tl.constexpr, BN: t
         if EPILOGUE == 1:  # cuBLAS' rounding of the product, then activation.silu_and_mul's steps
             out_desc.store([pid_m * BM, pid_n * BN], swiglu_tile(acc, BM, BN, dtype))
         else:
-            out_desc.store([pid_m * BM, pid_n * BN], acc.to(dtype))
+            if HAS_BIAS:  # cuBLAS adds the bias to the fp32 accumulator and rounds once
+                cols = pid_n * BN + tl.arange(0, BN)
+                acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            y = acc.to(dtype)
+            if EPILOGUE == 2:  # then activation.gelu's pass: the rounded product in fp32, rounded again
+                y = gelu_exact(y.to(tl.float32)).to(dtype)
+            out_desc.store([pid_m * BM, pid_n * BN], y)

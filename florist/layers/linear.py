@@ -24,9 +24,14 @@ from florist.layers.norm import RMSNorm
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
-    """F.linear (then exact GELU with `gelu`), except for few rows on CUDA, where the skinny-M
+    """F.linear (then exact GELU with `gelu`), except on CUDA for few rows, where the skinny-M
     kernel streams the weight faster and applies the GELU in its epilogue
-    (florist/kernels/skinny_gemm.py: which shapes, and the measurements behind them)."""
+    (florist/kernels/skinny_gemm.py: which shapes, and the measurements behind them), and on
+    Hopper for many rows of a short K (all-MiniLM-L6-v2's qkv and up projections), where the
+    persistent wide kernel adds the bias and the GELU in its epilogue (florist/kernels/wide_gemm.py)."""
+    y = wide_gemm.linear(x, weight, bias, gelu)  # many rows of a short K (BERT's products)
+    if y is not None:
+        return y
     return skinny_gemm.skinny_gemm(x, weight, bias, gelu=gelu)
 
 
