@@ -169,9 +169,13 @@ def wide_sweep(silu: bool, short_k: bool = False) -> list[wide_gemm.WideConfig]:
                 continue
             out.append(w(bm, bn, 64, warps, stages, 8, per_sm))
         return out
+    # Two programs an SM (the short-K finding) where two fit the shared memory: SwiGLU's operand
+    # tile is [BM + 2 BN, BK], its output tile [BM, BN].
     if silu:
-        return [w(128, 128, 64, 8, 3), w(128, 128, 64, 8, 4), w(128, 64, 64, 4, 4), w(128, 64, 64, 8, 4), w(64, 128, 64, 4, 4)]
-    return [w(128, 256, 64, 8, 3), w(128, 128, 64, 8, 4), w(128, 128, 64, 4, 4), w(256, 128, 64, 8, 3), w(128, 128, 128, 8, 3)]
+        return [w(128, 128, 64, 8, 3), w(128, 128, 64, 8, 4), w(128, 64, 64, 4, 4), w(128, 64, 64, 8, 4), w(64, 128, 64, 4, 4),
+                w(128, 64, 64, 4, 2, per_sm=2), w(128, 64, 64, 8, 2, per_sm=2), w(64, 128, 64, 4, 2, per_sm=2)]
+    return [w(128, 256, 64, 8, 3), w(128, 128, 64, 8, 4), w(128, 128, 64, 4, 4), w(256, 128, 64, 8, 3), w(128, 128, 128, 8, 3),
+            w(128, 128, 64, 8, 2, per_sm=2), w(128, 128, 64, 4, 2, per_sm=2), w(128, 64, 64, 4, 3, per_sm=2)]
 
 
 def tma_sweep(m: int, n: int, k: int, silu: bool) -> list[GemmConfig]:
