@@ -165,12 +165,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gel
     """x @ weight.T + bias (then the exact GELU) in one launch where the kernel applies and
     `pick` chooses it for this shape; None elsewhere (the caller keeps its own path)."""
     epilogue = GELU if gelu else NONE
-    if x.dim() != 2 or x.shape[0] < MIN_ROWS or not applies(x, weight, epilogue):
-        return None
-    if bias is not None and not (bias.shape == (weight.shape[0],) and bias.stride(0) == 1 and bias.device == x.device):
+    if x.dim() != 2 or x.shape[0] < MIN_ROWS or not applies(x, weight, epilogue) or not _bias_fits(bias, weight, x):
         return None
     config = pick(x.shape[0], epilogue, *weight.shape)
     return wide_gemm(x, weight, config, epilogue, bias) if config is not None else None
+
+
+def _bias_fits(bias: torch.Tensor | None, weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """No bias, or a contiguous [N] one on x's device (any float dtype: the epilogue adds it in fp32)."""
+    return bias is None or (bias.shape == (weight.shape[0],) and bias.stride(0) == 1 and bias.device == x.device)
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -188,7 +191,7 @@ def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogu
     bias): silu(x @ gate.T) * (x @ up.T) -> [M, I]; with GELU: gelu(x @ weight.T + bias), the
     exact GELU, each step rounded as cuBLAS + `activation.gelu` round it."""
     assert _supported(x, weight, epilogue), f"unsupported: x {x.dtype} {tuple(x.shape)} {x.stride()}, weight {weight.dtype} {tuple(weight.shape)} {weight.stride()}"
-    assert bias is None or (epilogue != SWIGLU and bias.shape == (weight.shape[0],) and bias.stride(0) == 1 and bias.device == x.device), (
+    assert _bias_fits(bias, weight, x) and (bias is None or epilogue != SWIGLU), (
         f"bias {None if bias is None else tuple(bias.shape)} must be a contiguous [{weight.shape[0]}] on {x.device}, and SwiGLU takes none"
     )
     # NOTE: Triton launches on the current device's current stream, wherever the tensors live.
