@@ -10,7 +10,7 @@ import torch
 
 import florist
 from florist.engine.batch import HostBatch, to_device
-from florist.engine.graph_runner import bucket
+from florist.engine.graph_runner import bucket, halves, halves_key
 
 pytestmark = pytest.mark.gpu
 
@@ -127,6 +127,38 @@ def test_covered_replays_equal_eager(request, fixture):
         out = runner.step(host).wait().cpu()
         assert runner.graphs.covered_replays == before + 1 and runner.graphs.graphs == graphs, sizes
         torch.testing.assert_close(out, eager, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fixture", ["bert_dir", "qwen3_dir", "cross_encoder_dir"])
+def test_halves_on_two_streams_equal_eager(request, fixture):
+    """Batches from the split threshold run as two halves side by side, the second on a side
+    stream, in one graph (graph_runner.py, "Halves"): first sight, capture and replays give the
+    whole batch's rows, also with other batches launched between them before any is read."""
+    path = request.getfixturevalue(fixture)
+    engine = florist.Engine.from_pretrained(path, device="cuda")
+    runner = engine.runner
+    runner.graphs.split_min_tokens = 64
+    rng = np.random.default_rng(6)
+    bert = engine.info.family == "bert"
+
+    def host_of(sizes):
+        seqs = [rng.integers(5, engine.info.vocab_size, size=n) for n in sizes]
+        return HostBatch.from_sequences(seqs, [max(1, n // 2) for n in sizes] if bert else None)
+
+    batches = [host_of(sizes) for sizes in ([30, 50, 40], [100, 2, 3, 90, 17], [64, 64], [120])]
+    eager = [runner.forward(to_device(h, runner.device)).cpu() for h in batches]
+    for h, ref in zip(batches, eager):
+        outs = [runner.step(h).wait().cpu().clone() for _ in range(3)]  # first sight, capture, replay
+        for out in outs:
+            torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(outs[2], outs[1], atol=1e-6, rtol=1e-5)
+    # one graph per halves bucket (two of these batches share one); the one-sequence batch runs whole
+    assert {k for k in runner.graphs.graphs if len(k) == 5} == {halves_key(*halves(h)) for h in batches[:3]}
+    assert bucket(batches[3]) in runner.graphs.graphs
+    for _ in range(3):
+        lazies = [runner.step(h) for h in batches + batches[::-1]]  # more in flight than staging buffers
+        for lz, ref in zip(lazies, eager + eager[::-1]):
+            torch.testing.assert_close(lz.wait().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_fp32_on_cuda_runs_without_flash(qwen3_dir):

@@ -187,14 +187,15 @@ def test_qwen3_embedder_with_and_without_the_wide_kernel(tmp_path, monkeypatch):
 @pytest.mark.gpu(capability=(9, 0))
 def test_minilm_geometry_with_and_without_the_wide_kernel(tmp_path, monkeypatch):
     """A 2-layer BERT of all-MiniLM-L6-v2's geometry (hidden 384, intermediate 1536), fp16, fed 100
-    x 256 tokens (25,600 rows): its qkv and up projections run the kernel (the up projection with
-    bias and GELU in the epilogue), and the embeddings match the same engine without it and the
-    fp32 CPU engine."""
+    x 256 tokens (25,600 rows, as one batch: no halves): its qkv and up projections run the
+    kernel (the up projection with bias and GELU in the epilogue), and the embeddings match the
+    same engine without it and the fp32 CPU engine."""
     import florist
     from florist.kernels import wide_gemm as wg
     from models import _st_files, make_tokenizer, vocab_size
     from transformers import BertConfig, BertModel
 
+    monkeypatch.setenv("FLORIST_GRAPH_SPLIT_MIN_TOKENS", "0")  # halves would give the products 12,800 rows each
     make_tokenizer(tmp_path, "bert")
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=vocab_size(tmp_path), hidden_size=384, num_hidden_layers=2, num_attention_heads=12, intermediate_size=1536,

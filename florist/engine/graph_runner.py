@@ -31,6 +31,26 @@ never stalls anything. Measured (docs/benchmarks.md, "Covering new buckets"): 26
 a long-tailed stream of batch shapes (bench/covering.py), no change beyond the spread in
 bench/serve.py's scenario 4, where every bucket comes back.
 
+Halves. A big batch of a small model leaves the device idle in its kernels' tails and between
+them: all-MiniLM-L6-v2's kernels at 100 x 256 tokens are 20-100 us each, and a persistent
+product's last wave or an attention grid's last programs run on a fraction of the SMs. From
+`split_min_tokens` tokens (0: never) such a batch runs as two halves of its sequences, each
+padded to one shared bucket, the second half's forward on a side stream beside the first's in the
+same graph, so one half's tails and launches overlap the other's work. The two halves' output
+rows are gathered back into the batch's order inside the graph (the row map is part of the
+packed input):
+
+    sequences  s0 .. s(k-1) | sk .. s(B-1)        split where the tokens are closest to halved
+    packed     [ half A, bucket (T, S, L) | half B, same bucket | row map [2 S] ]
+    graph      side stream:  forward(B) ─┐
+               capture stream: forward(A) ┴─ join ─ cat(A, B)[row map] -> rows [:B] real
+
+The key is (T, S, L, False, 2); halves neither cover nor are covered. Measured on the H200
+(docs/benchmarks.md, "Halves on two streams"): all-MiniLM-L6-v2 -3 to -10 % device time per
+batch from ~7,200 tokens and a loss below ~5,000, the BERT-base geometry -1 to -14 %, the
+Qwen3-0.6B geometry +1 to +5 % (its products fill the device): runner.py's
+`default_split_min_tokens` sets the threshold per family.
+
     bucket captured         -> replay its graph
     else, a cover captured  -> replay the cover (up to `rent` times for this bucket)
     else, seen before       -> capture, then replay
@@ -129,11 +149,86 @@ def bucket_views(packed: torch.Tensor, key: Key, with_types: bool) -> RaggedBatc
                  single_sequence=seqs == 2, has_padding=not exact_single)
 
 
+def halves(host: HostBatch) -> tuple[HostBatch, HostBatch]:
+    """The batch's sequences in two runs, cut where the first holds closest to half the tokens
+    (each half keeps at least one sequence)."""
+    assert host.num_seqs >= 2, "two halves need two sequences"
+    ends = np.cumsum(host.seq_lens[:-1], dtype=np.int64)  # tokens before sequence k, k = 1 .. B-1
+    k = 1 + int(np.argmin(np.abs(2 * ends - host.num_tokens)))
+    cut = int(ends[k - 1])
+    types = host.token_type_ids
+    first = HostBatch(host.input_ids[:cut], host.seq_lens[:k], None if types is None else types[:cut])
+    second = HostBatch(host.input_ids[cut:], host.seq_lens[k:], None if types is None else types[cut:])
+    return first, second
+
+
+HalvesKey = tuple[int, int, int, bool, int]  # one half's bucket (tokens, sequences, longest, False), then 2
+
+
+def halves_key(first: HostBatch, second: HostBatch) -> HalvesKey:
+    """One bucket both halves fit, each padded by one dummy sequence: the longest-sequence bucket
+    holds the padding of the half with fewer tokens too."""
+    tokens = token_bucket(max(first.num_tokens, second.num_tokens))
+    longest = max(seqlen_bucket(h.num_tokens, h.max_seqlen, tokens) for h in (first, second))
+    return tokens, seq_bucket(max(first.num_seqs, second.num_seqs)), longest, False, 2
+
+
+def halves_size(key: HalvesKey, with_types: bool) -> int:
+    """int32 elements of a halves batch's packed input: two packed halves, then the row map."""
+    return 2 * packed_size(key[0], key[1], with_types) + 2 * key[1]
+
+
+def pack_halves(first: HostBatch, second: HostBatch, key: HalvesKey, with_types: bool, out: np.ndarray | None = None) -> np.ndarray:
+    """[half A | half B | row map]: each half packed into the key's bucket, and the map from the
+    batch's rows to the rows of the two halves' outputs stacked ([S] rows each)."""
+    tokens, seqs, longest = key[:3]
+    n = packed_size(tokens, seqs, with_types)
+    buf = np.empty(halves_size(key, with_types), dtype=np.int32) if out is None else out
+    pack(first, tokens, seqs, out=buf[:n], longest=longest)
+    pack(second, tokens, seqs, out=buf[n : 2 * n], longest=longest)
+    rows = buf[2 * n :]
+    a, b = first.num_seqs, second.num_seqs
+    rows[:a] = np.arange(a, dtype=np.int32)
+    rows[a : a + b] = seqs + np.arange(b, dtype=np.int32)
+    rows[a + b :] = 0  # rows past the batch are sliced off
+    return buf
+
+
+def halves_forward(forward: Callable[[RaggedBatch], torch.Tensor], key: HalvesKey, with_types: bool,
+                   side: torch.cuda.Stream | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """packed halves (device) -> the batch's rows first: half B's forward on `side` (None: after
+    half A, on the current stream, e.g. on the CPU), joined before the rows are gathered."""
+    half = key[:4]
+    n = packed_size(key[0], key[1], with_types)
+
+    def run(packed: torch.Tensor) -> torch.Tensor:
+        first, second = bucket_views(packed[:n], half, with_types), bucket_views(packed[n : 2 * n], half, with_types)
+        if side is None:
+            out_b = forward(second)
+            out_a = forward(first)
+        else:
+            # NOTE: the side stream starts after everything queued before (the input copy) and the
+            # current stream goes on only once it is done, in eager launches and captures alike.
+            # Its tensors are freed to its own stream's pool and first reused by its next half,
+            # which again waits for the current stream: nothing it frees is read after.
+            main = torch.cuda.current_stream(packed.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                out_b = forward(second)
+            out_a = forward(first)
+            main.wait_stream(side)
+        return torch.cat((out_a, out_b)).index_select(0, packed[2 * n :])
+
+    return run
+
+
 class GraphRunner(LazyGraphs):
     def __init__(self, forward: Callable[[RaggedBatch], torch.Tensor], device: torch.device, *, max_tokens: int, with_token_types: bool,
-                 rent: int = RENT_SIGHTS):
+                 rent: int = RENT_SIGHTS, split_min_tokens: int = 0):
         super().__init__(device, log, CAPTURE_LOG, FIRST_SIGHT_LOG)
         self.forward, self.max_tokens = forward, max_tokens
+        self.split_min_tokens = split_min_tokens  # batches of at least this many tokens run as two halves (0: never)
+        self.side_stream: torch.cuda.Stream | None = None  # the second half's, made at the first halves batch
         self.with_types = with_token_types
         self.rent = rent
         self.rented: dict[Key, int] = {}  # covered replays so far, per bucket without a graph of its own
@@ -147,8 +242,10 @@ class GraphRunner(LazyGraphs):
 
     def run(self, host: HostBatch) -> torch.Tensor:
         """Device output rows [:B] of the padded batch; launched, not waited on."""
-        key = bucket(host)
         host = self._with_token_types(host)
+        if 0 < self.split_min_tokens <= host.num_tokens and host.num_seqs >= 2:
+            return self._run_halves(host)
+        key = bucket(host)
         entry = self.graphs.get(key)
         if entry is None and (rented := self.rented.get(key, 0)) < self.rent and (cover := self._cover(key, host)) is not None:
             self.rented[key] = rented + 1
@@ -165,9 +262,27 @@ class GraphRunner(LazyGraphs):
         entry.graph.replay()
         return entry.output[: host.num_seqs]
 
+    def _run_halves(self, host: HostBatch) -> torch.Tensor:
+        """`run` for a batch of two halves side by side (the module docstring, "Halves")."""
+        first, second = halves(host)
+        key = halves_key(first, second)
+        pack_halves(first, second, key, self.with_types, out=self.staging.buffer(halves_size(key, self.with_types)))
+        entry = self.graphs.get(key)
+        if entry is None:
+            if self.side_stream is None and self.device.type == "cuda":
+                self.side_stream = torch.cuda.Stream(self.device)
+            forward = halves_forward(self.forward, key, self.with_types, self.side_stream)
+            if key in self.seen:
+                entry = self.capture(key, self.staging.send(), forward)
+            else:
+                return self.first_sight(key, lambda: forward(self.staging.send())[: host.num_seqs])
+        self.staging.send(out=entry.static_input)
+        entry.graph.replay()
+        return entry.output[: host.num_seqs]
+
     def _cover(self, key: Key, host: HostBatch) -> Key | None:
         """The captured bucket of fewest tokens (then sequences) that can run `host`, if any."""
-        fits = [k for k in self.graphs if covers(k, key, host.num_tokens, host.num_seqs, host.max_seqlen)]
+        fits = [k for k in self.graphs if len(k) == 4 and covers(k, key, host.num_tokens, host.num_seqs, host.max_seqlen)]
         return min(fits, default=None, key=lambda k: (k[0], k[1], k[2]))
 
     def _with_token_types(self, host: HostBatch) -> HostBatch:
@@ -182,8 +297,10 @@ class GraphRunner(LazyGraphs):
     def _views(self, packed: torch.Tensor, key: Key) -> RaggedBatch:
         return bucket_views(packed, key, self.with_types)
 
-    def log_fields(self, key: tuple[int, int, int, bool]) -> tuple[int, int, int]:
-        return key[0], key[1] - 1, key[2]  # tokens, sequences (the dummy's place left out), longest
+    def log_fields(self, key: Key | HalvesKey) -> tuple[int, int, int]:
+        parts = key[4] if len(key) > 4 else 1
+        return parts * key[0], parts * (key[1] - 1), key[2]  # tokens, sequences (the dummies' places left out), longest
 
     def stats(self) -> dict:
-        return {"graphs": len(self.graphs), **self.cost(), "max_tokens": self.max_tokens, "covered_replays": self.covered_replays}
+        return {"graphs": len(self.graphs), **self.cost(), "max_tokens": self.max_tokens, "covered_replays": self.covered_replays,
+                "split_min_tokens": self.split_min_tokens}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from florist.config import ModelConfig
+from florist.config import ModelConfig, int_from_env
 from florist.engine.batch import HostBatch, RaggedBatch, to_device
 from florist.engine.graph_runner import GraphRunner
 from florist.engine.lazy import LazyTensor
@@ -68,6 +68,22 @@ def default_graph_max_tokens(cfg: ModelConfig) -> int:
     return -(-int(min(max(tokens, 4096), 32768)) // 256) * 256
 
 
+def default_split_min_tokens(cfg: ModelConfig) -> int:
+    """Fewest tokens from which a graph runs a batch as two halves side by side (graph_runner.py,
+    "Halves"); 0: never. FLORIST_GRAPH_SPLIT_MIN_TOKENS sets it for every family (0: off).
+
+    Measured on the H200 (docs/benchmarks.md, "Halves on two streams"), device time per batch in
+    a graph, halves against the whole batch: all-MiniLM-L6-v2 +15 % at 1,024 tokens, +5 % at
+    4,096, even at 5,120-5,336, -4 % (uniform) and +0.8 % (ragged) at 6,144-6,746, -3 to -10 %
+    from ~7,200 to 32,768; the BERT-base geometry -1 to -14 % at 8,192-25,600; the Qwen3-0.6B
+    geometry +1 to +5 % at 16,384 (its products fill the device), so other families keep whole
+    batches."""
+    return int_from_env("FLORIST_GRAPH_SPLIT_MIN_TOKENS", BERT_SPLIT_MIN_TOKENS if cfg.family == "bert" else 0)
+
+
+BERT_SPLIT_MIN_TOKENS = 7168
+
+
 class ModelRunner:
     def __init__(self, model_dir: ModelDir, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, graph_max_tokens: int | None = None):
         self.model_dir, self.device, self.dtype = model_dir, device, dtype
@@ -88,6 +104,7 @@ class ModelRunner:
                 self.forward, device,
                 max_tokens=graph_max_tokens or default_graph_max_tokens(model_dir.config),
                 with_token_types=model_dir.config.family == "bert",
+                split_min_tokens=default_split_min_tokens(model_dir.config),
             )
 
     def _load(self) -> None:
