@@ -100,6 +100,8 @@ def test_the_runner_takes_halves_from_its_threshold(bert_dir):
         torch.testing.assert_close(out, forward(to_device(runner._with_token_types(host), torch.device("cpu"))), atol=1e-5, rtol=1e-5)
         assert halves_seen() == before + split, sizes
     assert runner.stats()["split_min_tokens"] == 64
+    # logged as the batch it runs: both halves' tokens and sequences (the dummies' slots left out)
+    assert runner.log_fields((128, 4, 128, False, 2)) == (256, 6, 128) and runner.log_fields((128, 4, 128, False)) == (128, 3, 128)
 
 
 def test_the_threshold_by_family_and_from_the_environment(bert_dir, qwen3_dir, monkeypatch):

@@ -142,7 +142,8 @@ def test_embedding_graphs_keep_their_log_lines_and_stats(fake_cuda, caplog):
     captures = messages(caplog, CAPTURE_LOG.split(" for ")[0])
     assert len(captures) == 1 and captures[0].endswith("(1 graphs, 2 MiB)")
     stats = runner.stats()
-    assert set(stats) == {"graphs", "graph_memory_bytes", "capture_seconds", "first_sight_seconds", "max_tokens", "covered_replays"}
+    assert set(stats) == {"graphs", "graph_memory_bytes", "capture_seconds", "first_sight_seconds", "max_tokens", "covered_replays",
+                          "split_min_tokens"}
     assert stats["graphs"] == 1 and stats["graph_memory_bytes"] == 2 * MIB
 
 
