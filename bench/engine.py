@@ -311,7 +311,7 @@ def main():
         if want("minilm"):
             minilm = make_model(tmp / "minilm", "minilm-l6", dtype=torch.float16)
             e = run_geometry("all-MiniLM-L6-v2 fp16", minilm, dtype=torch.float16, device=device, pooling="mean", bidirectional=False,
-                             latency_lens=[128], batches=[("100 x 256", [256] * 100)], args=args)
+                             latency_lens=[128], batches=[("100 x 256", [256] * 100), ("100 x 512", [512] * 100)], args=args)
             if want("threshold"):
                 graph_threshold(e, "minilm", [1024, 4096, 16384, 32768])
         if want("minilm-breakdown"):

@@ -159,6 +159,13 @@ def test_halves_on_two_streams_equal_eager(request, fixture):
         lazies = [runner.step(h) for h in batches + batches[::-1]]  # more in flight than staging buffers
         for lz, ref in zip(lazies, eager + eager[::-1]):
             torch.testing.assert_close(lz.wait().cpu(), ref, atol=2e-2, rtol=2e-2)
+    runner.graphs.max_tokens = 128  # a bound on each half: 240 tokens in halves of 120 replay a graph
+    big = host_of([60, 60, 60, 60])
+    assert runner.graphs.applies(big)
+    ref = runner.forward(to_device(big, runner.device)).cpu()
+    for _ in range(3):
+        torch.testing.assert_close(runner.step(big).wait().cpu(), ref, atol=2e-2, rtol=2e-2)
+    assert halves_key(*halves(big)) in runner.graphs.graphs
 
 
 def test_fp32_on_cuda_runs_without_flash(qwen3_dir):

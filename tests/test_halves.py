@@ -115,3 +115,20 @@ def test_the_threshold_by_family_and_from_the_environment(bert_dir, qwen3_dir, m
     assert default_split_min_tokens(bert) == 0
     monkeypatch.setenv("FLORIST_GRAPH_SPLIT_MIN_TOKENS", "2048")
     assert (default_split_min_tokens(bert), default_split_min_tokens(qwen)) == (2048, 2048)
+
+
+def test_halves_run_from_a_graph_up_to_twice_its_token_bound(bert_dir):
+    """`max_tokens` bounds a half: a halves batch of up to twice as many tokens still takes the
+    graph path, unless its larger half is over the bound; other batches keep the bound."""
+    engine = florist.Engine.from_pretrained(bert_dir, device="cpu")
+    runner = GraphRunner(engine.runner.forward, torch.device("cpu"), max_tokens=128, with_token_types=True, split_min_tokens=64)
+
+    def host(sizes):
+        return HostBatch.from_sequences([np.full(n, 7) for n in sizes])
+
+    assert runner.applies(host([60] * 4))  # 240 tokens: halves of 120
+    assert not runner.applies(host([60] * 5))  # 300: more than twice the bound
+    assert not runner.applies(host([100, 90, 50]))  # 240, but its larger half holds 140
+    assert not runner.applies(host([200]))  # one sequence: no halves
+    runner.split_min_tokens = 0
+    assert not runner.applies(host([60] * 4)) and runner.applies(host([64, 64]))

@@ -16,7 +16,8 @@ bucket has no padding, so even bidirectional attention can run as one dense SDPA
 A graph's static state is one `CapturedGraph` (lazy_graphs.py): the packed int32 input buffer the
 graph reads and the output tensor it writes. Padding is harmless by construction: padding tokens belong to a dummy
 sequence (several when covering, below) whose pooled row is sliced off, and attention never mixes sequences.
-Batches above `max_tokens` run eagerly (there the GPU time dwarfs launch costs).
+Batches above `max_tokens` run eagerly (there the GPU time dwarfs launch costs), except batches
+that run as halves (below), whose halves may each hold up to `max_tokens`.
 
 Covering. A first sight (20-40 ms of eager launches for a 28-layer model) and a capture (20-100
 ms) each stall the batch that meets them, and a server whose traffic changes meets new buckets
@@ -45,7 +46,10 @@ packed input):
     graph      side stream:  forward(B) ─┐
                capture stream: forward(A) ┴─ join ─ cat(A, B)[row map] -> rows [:B] real
 
-The key is (T, S, L, False, 2); halves neither cover nor are covered. Measured on the H200
+The key is (T, S, L, False, 2); halves neither cover nor are covered. `max_tokens` bounds a half,
+so a halves batch of up to twice that runs from a graph too: above all-MiniLM-L6-v2's 32,768
+tokens eager launches cost ~4-6 ms of host time a forward, about the GPU's time there, and the
+halves' graph took 8-35 % less than the eager batch (100 x 512, 128 x 512, 200 x U(64..512)). Measured on the H200
 (docs/benchmarks.md, "Halves on two streams"): all-MiniLM-L6-v2 -3 to -10 % device time per
 batch from ~7,200 tokens and a loss below ~5,000, the BERT-base geometry -1 to -14 %, the
 Qwen3-0.6B geometry +1 to +5 % (its products fill the device): runner.py's
@@ -238,12 +242,18 @@ class GraphRunner(LazyGraphs):
         self.staging = InputStaging(device, ring=4)
 
     def applies(self, host: HostBatch) -> bool:
-        return host.num_tokens <= self.max_tokens
+        """Whether a graph runs `host`: up to `max_tokens` tokens, or halves of up to that many each."""
+        if host.num_tokens <= self.max_tokens:
+            return True
+        return self._splits(host) and host.num_tokens <= 2 * self.max_tokens and max(h.num_tokens for h in halves(host)) <= self.max_tokens
+
+    def _splits(self, host: HostBatch) -> bool:
+        return 0 < self.split_min_tokens <= host.num_tokens and host.num_seqs >= 2
 
     def run(self, host: HostBatch) -> torch.Tensor:
         """Device output rows [:B] of the padded batch; launched, not waited on."""
         host = self._with_token_types(host)
-        if 0 < self.split_min_tokens <= host.num_tokens and host.num_seqs >= 2:
+        if self._splits(host):
             return self._run_halves(host)
         key = bucket(host)
         entry = self.graphs.get(key)
