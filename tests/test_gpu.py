@@ -138,6 +138,7 @@ def test_halves_on_two_streams_equal_eager(request, fixture):
     engine = florist.Engine.from_pretrained(path, device="cuda")
     runner = engine.runner
     runner.graphs.split_min_tokens = 64
+    runner.graphs.rent = 0  # each halves bucket its own cycle first (covering at the end)
     rng = np.random.default_rng(6)
     bert = engine.info.family == "bert"
 
@@ -159,6 +160,13 @@ def test_halves_on_two_streams_equal_eager(request, fixture):
         lazies = [runner.step(h) for h in batches + batches[::-1]]  # more in flight than staging buffers
         for lz, ref in zip(lazies, eager + eager[::-1]):
             torch.testing.assert_close(lz.wait().cpu(), ref, atol=2e-2, rtol=2e-2)
+    runner.graphs.rent = 8
+    small = host_of([20, 20, 30])  # halves bucket (64, 4, 64): covered by the captured (128, 4, 128) halves graph
+    assert halves_key(*halves(small)) not in runner.graphs.graphs
+    before, ref = runner.graphs.covered_replays, runner.forward(to_device(small, runner.device)).cpu()
+    torch.testing.assert_close(runner.step(small).wait().cpu(), ref, atol=2e-2, rtol=2e-2)
+    assert runner.graphs.covered_replays == before + 1 and halves_key(*halves(small)) not in runner.graphs.graphs
+    runner.graphs.rent = 0
     runner.graphs.max_tokens = 128  # a bound on each half: 240 tokens in halves of 120 replay a graph
     big = host_of([60, 60, 60, 60])
     assert runner.graphs.applies(big)

@@ -132,3 +132,37 @@ def test_halves_run_from_a_graph_up_to_twice_its_token_bound(bert_dir):
     assert not runner.applies(host([200]))  # one sequence: no halves
     runner.split_min_tokens = 0
     assert not runner.applies(host([60] * 4)) and runner.applies(host([64, 64]))
+
+
+def test_a_captured_halves_graph_covers_halves_it_holds(bert_dir):
+    """Halves cover only halves, half by half by `covers`' rule; a covering layout gives the batch's
+    rows (its halves padded over several dummies)."""
+    from florist.engine.graph_runner import covers
+
+    engine = florist.Engine.from_pretrained(bert_dir, device="cpu")
+    runner = GraphRunner(engine.runner.forward, torch.device("cpu"), max_tokens=4096, with_token_types=True, split_min_tokens=64)
+    rng = np.random.default_rng(5)
+
+    def host(sizes):
+        seqs = [rng.integers(5, engine.info.vocab_size, size=n) for n in sizes]
+        return HostBatch.from_sequences(seqs, [max(1, n // 2) for n in sizes])
+
+    big = host([60] * 6)  # halves of 3 x 60: bucket (192, 4, 64)
+    assert halves_key(*halves(big)) == (192, 4, 64, False, 2)
+    runner.graphs[(192, 4, 64, False, 2)] = object()  # as if captured
+    runner.graphs[(512, 8, 128, False)] = object()  # a whole-batch graph never covers halves
+    a = halves(host([40, 50, 30, 45]))  # halves 90 | 75 in bucket (128, 4, 64): two dummies each fit
+    b = halves(host([30] * 6))  # halves 90 | 90 of three sequences: two dummies do not fit 4 slots
+    c = halves(host([30, 100]))  # a sequence longer than 64
+    assert runner._halves_cover(halves_key(*a), *a) == (192, 4, 64, False, 2)
+    assert runner._halves_cover(halves_key(*b), *b) is None and runner._halves_cover(halves_key(*c), *c) is None
+    runner.graphs[(192, 8, 64, False, 2)] = object()
+    assert runner._halves_cover(halves_key(*a), *a) == (192, 4, 64, False, 2)  # fewest tokens, then sequences
+    cover = runner._halves_cover(halves_key(*b), *b)
+    assert cover == (192, 8, 64, False, 2)
+    assert all(covers(cover[:4], halves_key(*b)[:4], h.num_tokens, h.num_seqs, h.max_seqlen) for h in b)
+    packed = torch.from_numpy(pack_halves(*b, cover, True))
+    out = halves_forward(engine.runner.forward, cover, True, side=None)(packed)
+    whole = HostBatch(np.concatenate([b[0].input_ids, b[1].input_ids]), np.concatenate([b[0].seq_lens, b[1].seq_lens]),
+                      np.concatenate([b[0].token_type_ids, b[1].token_type_ids]))
+    torch.testing.assert_close(out[:6], engine.runner.forward(to_device(whole, torch.device("cpu"))), atol=1e-5, rtol=1e-5)

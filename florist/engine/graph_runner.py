@@ -46,7 +46,8 @@ packed input):
     graph      side stream:  forward(B) ─┐
                capture stream: forward(A) ┴─ join ─ cat(A, B)[row map] -> rows [:B] real
 
-The key is (T, S, L, False, 2); halves neither cover nor are covered. `max_tokens` bounds a half,
+The key is (T, S, L, False, 2). Halves cover only halves: a captured halves graph serves a
+halves batch whose two halves it covers each by the rule above (and is rented the same way). `max_tokens` bounds a half,
 so a halves batch of up to twice that runs from a graph too: above all-MiniLM-L6-v2's 32,768
 tokens eager launches cost ~4-6 ms of host time a forward, about the GPU's time there, and the
 halves' graph took 8-35 % less than the eager batch (100 x 512, 128 x 512, 200 x U(64..512)). Measured on the H200
@@ -235,7 +236,7 @@ class GraphRunner(LazyGraphs):
         self.side_stream: torch.cuda.Stream | None = None  # the second half's, made at the first halves batch
         self.with_types = with_token_types
         self.rent = rent
-        self.rented: dict[Key, int] = {}  # covered replays so far, per bucket without a graph of its own
+        self.rented: dict[Key | HalvesKey, int] = {}  # covered replays so far, per bucket without a graph of its own
         self.covered_replays = 0
         # Callers keep up to two batches in flight and may launch a third before reading the
         # first: four pinned input buffers mean refilling one never waits on a running batch.
@@ -276,8 +277,13 @@ class GraphRunner(LazyGraphs):
         """`run` for a batch of two halves side by side (the module docstring, "Halves")."""
         first, second = halves(host)
         key = halves_key(first, second)
-        pack_halves(first, second, key, self.with_types, out=self.staging.buffer(halves_size(key, self.with_types)))
         entry = self.graphs.get(key)
+        if entry is None and (rented := self.rented.get(key, 0)) < self.rent and (cover := self._halves_cover(key, first, second)) is not None:
+            self.rented[key] = rented + 1
+            self.covered_replays += 1
+            log.info(COVER_LOG, *self.log_fields(cover), *self.log_fields(key), rented + 1, self.rent)
+            key, entry = cover, self.graphs[cover]
+        pack_halves(first, second, key, self.with_types, out=self.staging.buffer(halves_size(key, self.with_types)))
         if entry is None:
             if self.side_stream is None and self.device.type == "cuda":
                 self.side_stream = torch.cuda.Stream(self.device)
@@ -289,6 +295,13 @@ class GraphRunner(LazyGraphs):
         self.staging.send(out=entry.static_input)
         entry.graph.replay()
         return entry.output[: host.num_seqs]
+
+    def _halves_cover(self, key: HalvesKey, first: HostBatch, second: HostBatch) -> HalvesKey | None:
+        """The captured halves bucket of fewest tokens (then sequences) each of whose halves can run
+        one of these (`covers`, half by half), if any."""
+        fits = [k for k in self.graphs
+                if len(k) == 5 and all(covers(k[:4], key[:4], h.num_tokens, h.num_seqs, h.max_seqlen) for h in (first, second))]
+        return min(fits, default=None, key=lambda k: (k[0], k[1], k[2]))
 
     def _cover(self, key: Key, host: HostBatch) -> Key | None:
         """The captured bucket of fewest tokens (then sequences) that can run `host`, if any."""
