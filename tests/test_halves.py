@@ -10,7 +10,7 @@ import torch
 
 import florist
 from florist.engine.batch import HostBatch, pack, packed_size, to_device
-from florist.engine.graph_runner import GraphRunner, halves, halves_forward, halves_key, halves_size, pack_halves
+from florist.engine.graph_runner import GraphRunner, bucket, halves, halves_forward, halves_key, halves_size, pack_halves
 
 
 def _host(rng, sizes, types: bool = False) -> HostBatch:
@@ -154,11 +154,13 @@ def test_a_captured_halves_graph_covers_halves_it_holds(bert_dir):
     a = halves(host([40, 50, 30, 45]))  # halves 90 | 75 in bucket (128, 4, 64): two dummies each fit
     b = halves(host([30] * 6))  # halves 90 | 90 of three sequences: two dummies do not fit 4 slots
     c = halves(host([30, 100]))  # a sequence longer than 64
-    assert runner._halves_cover(halves_key(*a), *a) == (192, 4, 64, False, 2)
-    assert runner._halves_cover(halves_key(*b), *b) is None and runner._halves_cover(halves_key(*c), *c) is None
+    assert runner._cover(halves_key(*a), a) == (192, 4, 64, False, 2)
+    assert runner._cover(halves_key(*b), b) is None and runner._cover(halves_key(*c), c) is None
+    whole = host([100, 100, 60])  # a whole batch takes a whole-batch graph only
+    assert runner._cover(bucket(whole), (whole,)) == (512, 8, 128, False)
     runner.graphs[(192, 8, 64, False, 2)] = object()
-    assert runner._halves_cover(halves_key(*a), *a) == (192, 4, 64, False, 2)  # fewest tokens, then sequences
-    cover = runner._halves_cover(halves_key(*b), *b)
+    assert runner._cover(halves_key(*a), a) == (192, 4, 64, False, 2)  # fewest tokens, then sequences
+    cover = runner._cover(halves_key(*b), b)
     assert cover == (192, 8, 64, False, 2)
     assert all(covers(cover[:4], halves_key(*b)[:4], h.num_tokens, h.num_seqs, h.max_seqlen) for h in b)
     packed = torch.from_numpy(pack_halves(*b, cover, True))

@@ -47,14 +47,14 @@ packed input):
                capture stream: forward(A) ┴─ join ─ cat(A, B)[row map] -> rows [:B] real
 
 The key is (T, S, L, False, 2). Halves cover only halves: a captured halves graph serves a
-halves batch whose two halves it covers each by the rule above (and is rented the same way). `max_tokens` bounds a half,
-so a halves batch of up to twice that runs from a graph too: above all-MiniLM-L6-v2's 32,768
-tokens eager launches cost ~4-6 ms of host time a forward, about the GPU's time there, and the
-halves' graph took 8-35 % less than the eager batch (100 x 512, 128 x 512, 200 x U(64..512)). Measured on the H200
-(docs/benchmarks.md, "Halves on two streams"): all-MiniLM-L6-v2 -3 to -10 % device time per
-batch from ~7,200 tokens and a loss below ~5,000, the BERT-base geometry -1 to -14 %, the
-Qwen3-0.6B geometry +1 to +5 % (its products fill the device): runner.py's
-`default_split_min_tokens` sets the threshold per family.
+halves batch whose two halves it covers each by the rule above (and is rented the same way).
+`max_tokens` bounds a half, so a halves batch of up to twice that runs from a graph too: above
+all-MiniLM-L6-v2's 32,768 tokens eager launches cost ~4-6 ms of host time a forward, about the
+GPU's time there, and the halves' graph took 8-35 % less than the eager batch (100 x 512, 128 x
+512, 200 x U(64..512)). Measured on the H200 (docs/benchmarks.md, "Halves on two streams"):
+all-MiniLM-L6-v2 -3 to -10 % device time per batch from ~7,200 tokens and a loss below ~5,000,
+the BERT-base geometry -1 to -14 %, the Qwen3-0.6B geometry +1 to +5 % (its products fill the
+device): runner.py's `default_split_min_tokens` sets the threshold per family.
 
     bucket captured         -> replay its graph
     else, a cover captured  -> replay the cover (up to `rent` times for this bucket)
@@ -254,58 +254,45 @@ class GraphRunner(LazyGraphs):
     def run(self, host: HostBatch) -> torch.Tensor:
         """Device output rows [:B] of the padded batch; launched, not waited on."""
         host = self._with_token_types(host)
-        if self._splits(host):
-            return self._run_halves(host)
-        key = bucket(host)
+        parts = halves(host) if self._splits(host) else (host,)
+        key = halves_key(*parts) if len(parts) == 2 else bucket(host)
         entry = self.graphs.get(key)
-        if entry is None and (rented := self.rented.get(key, 0)) < self.rent and (cover := self._cover(key, host)) is not None:
+        if entry is None and (rented := self.rented.get(key, 0)) < self.rent and (cover := self._cover(key, parts)) is not None:
             self.rented[key] = rented + 1
             self.covered_replays += 1
             log.info(COVER_LOG, *self.log_fields(cover), *self.log_fields(key), rented + 1, self.rent)
             key, entry = cover, self.graphs[cover]
         # Packed straight into a pinned staging buffer: no allocation, one copy to the device.
-        pack(host, key[0], key[1], out=self.staging.buffer(packed_size(key[0], key[1], self.with_types)), longest=key[2])
+        self._pack(key, parts)
         if entry is None and key in self.seen:
-            entry = self.capture(key, self.staging.send(), lambda static: self.forward(self._views(static, key)))
+            entry = self.capture(key, self.staging.send(), self._forward_of(key))
         if entry is None:
-            return self.first_sight(key, lambda: self.forward(self._views(self.staging.send(), key))[: host.num_seqs])
+            forward = self._forward_of(key)
+            return self.first_sight(key, lambda: forward(self.staging.send())[: host.num_seqs])
         self.staging.send(out=entry.static_input)
         entry.graph.replay()
         return entry.output[: host.num_seqs]
 
-    def _run_halves(self, host: HostBatch) -> torch.Tensor:
-        """`run` for a batch of two halves side by side (the module docstring, "Halves")."""
-        first, second = halves(host)
-        key = halves_key(first, second)
-        entry = self.graphs.get(key)
-        if entry is None and (rented := self.rented.get(key, 0)) < self.rent and (cover := self._halves_cover(key, first, second)) is not None:
-            self.rented[key] = rented + 1
-            self.covered_replays += 1
-            log.info(COVER_LOG, *self.log_fields(cover), *self.log_fields(key), rented + 1, self.rent)
-            key, entry = cover, self.graphs[cover]
-        pack_halves(first, second, key, self.with_types, out=self.staging.buffer(halves_size(key, self.with_types)))
-        if entry is None:
-            if self.side_stream is None and self.device.type == "cuda":
-                self.side_stream = torch.cuda.Stream(self.device)
-            forward = halves_forward(self.forward, key, self.with_types, self.side_stream)
-            if key in self.seen:
-                entry = self.capture(key, self.staging.send(), forward)
-            else:
-                return self.first_sight(key, lambda: forward(self.staging.send())[: host.num_seqs])
-        self.staging.send(out=entry.static_input)
-        entry.graph.replay()
-        return entry.output[: host.num_seqs]
+    def _pack(self, key: Key | HalvesKey, parts: tuple[HostBatch, ...]) -> None:
+        """The batch (or its two halves, with their row map) into the next staging buffer, laid out for `key`."""
+        if len(key) == 5:
+            pack_halves(*parts, key, self.with_types, out=self.staging.buffer(halves_size(key, self.with_types)))
+        else:
+            pack(parts[0], key[0], key[1], out=self.staging.buffer(packed_size(key[0], key[1], self.with_types)), longest=key[2])
 
-    def _halves_cover(self, key: HalvesKey, first: HostBatch, second: HostBatch) -> HalvesKey | None:
-        """The captured halves bucket of fewest tokens (then sequences) each of whose halves can run
-        one of these (`covers`, half by half), if any."""
+    def _forward_of(self, key: Key | HalvesKey) -> Callable[[torch.Tensor], torch.Tensor]:
+        """packed input (device) -> output rows, for a graph of `key` (captured or run as a first sight)."""
+        if len(key) == 4:
+            return lambda static: self.forward(self._views(static, key))
+        if self.side_stream is None and self.device.type == "cuda":
+            self.side_stream = torch.cuda.Stream(self.device)
+        return halves_forward(self.forward, key, self.with_types, self.side_stream)
+
+    def _cover(self, key: Key | HalvesKey, parts: tuple[HostBatch, ...]) -> Key | HalvesKey | None:
+        """The captured bucket of the same kind (whole or halves) and fewest tokens (then sequences)
+        that can run the batch, each of its halves by `covers` for halves; None if there is none."""
         fits = [k for k in self.graphs
-                if len(k) == 5 and all(covers(k[:4], key[:4], h.num_tokens, h.num_seqs, h.max_seqlen) for h in (first, second))]
-        return min(fits, default=None, key=lambda k: (k[0], k[1], k[2]))
-
-    def _cover(self, key: Key, host: HostBatch) -> Key | None:
-        """The captured bucket of fewest tokens (then sequences) that can run `host`, if any."""
-        fits = [k for k in self.graphs if len(k) == 4 and covers(k, key, host.num_tokens, host.num_seqs, host.max_seqlen)]
+                if len(k) == len(key) and all(covers(k[:4], key[:4], h.num_tokens, h.num_seqs, h.max_seqlen) for h in parts)]
         return min(fits, default=None, key=lambda k: (k[0], k[1], k[2]))
 
     def _with_token_types(self, host: HostBatch) -> HostBatch:
