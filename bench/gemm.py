@@ -163,11 +163,11 @@ def wide_sweep(silu: bool, short_k: bool = False) -> list[wide_gemm.WideConfig]:
     w = wide_gemm.WideConfig
     if short_k:
         out = []
-        for bm, bn, warps, stages, per_sm in itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3, 4), (1, 2, 3)):
-            smem = stages * (bm + bn) * 64 * 2 + bm * bn * 2  # operand stages + the output tile TMA stores from
-            if smem * per_sm > 220 * 1024 or (bm * bn >= 128 * 256 and warps == 4) or (bm == 64 and bn == 64 and warps == 8):
+        for bm, bn, warps, stages, per_sm, split in itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3, 4), (1, 2, 3), (1, 2)):
+            smem = stages * (bm + bn) * 64 * 2 + bm * bn * 2 // split  # operand stages + the output tile TMA stores from
+            if smem * per_sm > 224 * 1024 or (bm * bn >= 128 * 256 and warps == 4) or (bm == 64 and bn == 64 and warps == 8):
                 continue
-            out.append(w(bm, bn, 64, warps, stages, 8, per_sm))
+            out.append(w(bm, bn, 64, warps, stages, 8, per_sm, split))
         return out
     # Two programs an SM (the short-K finding) where two fit the shared memory: SwiGLU's operand
     # tile is [BM + 2 BN, BK], its output tile [BM, BN].
@@ -338,7 +338,7 @@ def wide_main(args) -> int:
                          "picked": picked.__dict__ if picked else None, "best_us": best, "best": best_cfg.__dict__ if best_cfg else None})
             tf = lambda v: f"{flops / v / 1e6:4.0f}" if v else "   -"  # noqa: E731
             cfg_s = "-" if best_cfg is None else (f"m{best_cfg.block_m} n{best_cfg.block_n} k{best_cfg.block_k} w{best_cfg.num_warps} "
-                                                  f"st{best_cfg.num_stages} x{best_cfg.per_sm}")
+                                                  f"st{best_cfg.num_stages} x{best_cfg.per_sm} split{best_cfg.epilogue_split}")
             print(f"{name:20s} {m:6d} {fmt_us(t_cublas, 8, 1)} {fmt_us(t_picked, 8, 1)} {fmt_us(best, 8, 1)}  {tf(t_cublas)} / {tf(t_picked)} / {tf(best)}; {cfg_s}", flush=True)
         del weights
         torch.cuda.empty_cache()

@@ -72,6 +72,11 @@ close(wg.wide_gemm(x, w, cfg, wg.NONE, b), want, "bias")
 close(wg.wide_gemm(x, w, cfg, wg.GELU, b), gelu_exact_ref(want), "bias gelu")
 close(wg.wide_gemm(x, w, cfg, wg.GELU), gelu_exact_ref(product(x, w)), "gelu")
 close(wg.wide_gemm(x, w, wg.WideConfig(64, 64, 64, 4, 2, 2, per_sm=2), wg.GELU, b), gelu_exact_ref(want), "gelu, two programs a multiprocessor")
+# The epilogue in two column halves: the same bits as in one.
+for epi, bias in ((wg.GELU, b), (wg.NONE, b), (wg.GELU, None)):
+    whole = wg.wide_gemm(x, w, wg.WideConfig(64, 64, 64, 4, 2, 2, per_sm=2), epi, bias)
+    halves = wg.wide_gemm(x, w, wg.WideConfig(64, 64, 64, 4, 2, 2, per_sm=2, epilogue_split=2), epi, bias)
+    torch.testing.assert_close(halves, whole, rtol=0, atol=0, equal_nan=True, msg=f"epilogue halves, epilogue {epi}")
 print("wide gemm ok")
 """
 
@@ -247,3 +252,24 @@ def test_only_gpus_with_tma_and_a_datacenter_shared_memory_take_the_kernel(monke
     finally:
         wg._device_facts.cache_clear()  # no fake device facts left for later tests
     assert not wg.hopper(torch.device("cpu"))
+
+
+@pytest.mark.gpu(capability=(9, 0))
+@pytest.mark.parametrize("m", [8192, 25637])
+def test_gelu_epilogue_in_two_halves_gives_the_same_bits(m):
+    """all-MiniLM-L6-v2's up projection + GELU (fp16, bias, K = 384): the epilogue finished in two
+    column halves gives the bits of the whole tile, and the unfused path's (cuBLAS, then the
+    GELU pass) but for rounding."""
+    from florist.kernels import activation, wide_gemm as wg
+
+    torch.manual_seed(m)
+    dt, dev = torch.float16, "cuda"
+    x = torch.randn(m, 384, device=dev, dtype=dt)
+    w = torch.randn(1536, 384, device=dev, dtype=dt) * 0.05
+    b = torch.randn(1536, device=dev, dtype=dt) * 0.05
+    whole = wg.wide_gemm(x, w, wg.WideConfig(128, 128, 64, 8, 2, per_sm=2), wg.GELU, b)
+    halves = wg.wide_gemm(x, w, wg.WideConfig(128, 128, 64, 8, 3, per_sm=2, epilogue_split=2), wg.GELU, b)
+    assert torch.equal(whole, halves)
+    want = activation.gelu(F.linear(x, w, b))
+    torch.testing.assert_close(whole.float(), want.float(), atol=2e-3, rtol=2e-3)
+    assert (whole == want).float().mean() > 0.9

@@ -107,6 +107,16 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, P
 # exact GELU in 33 of 63,488 values on the H200, by one unit in the last place, where F.gelu on
 # CUDA differs in 370 (`bench/kernels.py --gelu` counts them).
 # The coefficients are P's times log2(e), so the exponential is one exp2.
+# The reciprocal and the exp2 are the hardware's approximate instructions with subnormal results
+# flushed (`rcp.approx.ftz.f32`, `ex2.approx.ftz.f32`: one MUFU instruction each, where
+# `tl.math.fdiv` is div.full's reciprocal with its scaling checks and `tl.math.exp2` adds the
+# subnormal range's). Over every finite fp16 and bf16 input the results are the same bits as with
+# div.full and exp2 on the H200, and in the wide product's epilogue, which pays for every
+# instruction beside the tensor cores' work, all-MiniLM-L6-v2's up projection + GELU took 93.9
+# against 102.9 us at 25,600 rows, and the pass alone a copy's time (docs/benchmarks.md, "The
+# GELU's reciprocal and exp2, and its epilogue in halves").
+# Triton's interpreter has no inline PTX, so there (CPU tests) the two are fdiv and exp2, as they
+# are compiled with FLORIST_GELU_APPROX_MUFU=0 (for side-by-side measurements).
 _GELU_BLOCK = 4096  # elements a program (8 warps): the fastest of 1,024-4,096 on the H200
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # FLORIST_GELU_KERNEL=0 keeps F.gelu on CUDA too (for side-by-side measurements).
@@ -145,20 +155,42 @@ def gelu_triton(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_PTX = triton is not None and os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get("FLORIST_GELU_APPROX_MUFU", "1") != "0"
+_APPROX_MUFU = tl.constexpr(_PTX) if triton is not None else _PTX
+
+
+@_jit
+def _rcp(x):
+    """1 / x: rcp.approx.ftz.f32, or div.full (`tl.math.fdiv`) where inline PTX is off."""
+    if _APPROX_MUFU:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.math.fdiv(1.0, x)
+
+
+@_jit
+def _exp2(x):
+    """2 ** x: ex2.approx.ftz.f32, or `tl.math.exp2` where inline PTX is off."""
+    if _APPROX_MUFU:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.math.exp2(x)
+
+
 @_jit
 def gelu_exact(x):
     """x * Phi(x) computed in fp32 for a result rounded to fp16 or bf16 (see the note above). NaN
     gives NaN, +inf gives +inf, -inf gives NaN (-inf * 0), as the erf form 0.5 * x * (1 + erf(x /
     sqrt(2))) does."""
     z = tl.abs(x) * 0.7071067811865476
-    t = tl.math.fdiv(1.0, 1.0 + 0.5 * z)  # div.full: 2 ulp, ample for a 2.8e-6 fit
+    t = _rcp(1.0 + 0.5 * z)  # 1 ulp, ample for a 2.8e-6 fit
     p = -0.0976914175 * t + 0.699693444
     p = p * t - 1.58491805
     p = p * t + 1.1214471
     p = p * t + 0.184669723
     p = p * t + 1.50724747
     p = p * t - 1.83044433
-    q = 0.5 * t * tl.math.exp2(p - (z * z) * 1.4426950408889634)  # 1 - Phi(|x|)
+    q = 0.5 * t * _exp2(p - (z * z) * 1.4426950408889634)  # 1 - Phi(|x|)
     # Near 0 the fit's error would outweigh Phi(x) - 1/2 = x / sqrt(2 pi) + O(x^3) and round ties
     # the wrong way; there that first term is exact to < 1e-7.
     return tl.where(tl.abs(x) < 0.0078125, x * (0.5 + 0.3989422804014327 * x), x * tl.where(x >= 0, 1.0 - q, q))

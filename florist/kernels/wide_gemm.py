@@ -24,9 +24,11 @@ blocks sweep the columns together, so a weight tile is reused from L2); operands
 MiniLM's qkv at 25,600 rows and more. `EPILOGUE` GELU adds the bias and the exact GELU
 (`activation.gelu_exact`) to BERT's up projection, so the GELU's pass over [T, 4H] is gone. With
 K = 384 a tile's product is six K blocks, as short as its epilogue: there the kernel runs two
-programs an SM (`WideConfig.per_sm`) with two operand stages each, so one program's epilogue
-runs while the other's products use the tensor cores. `pick` says which shapes take which form;
-`linear` is the entry the model's layers call (florist/layers/linear.py).
+programs an SM (`WideConfig.per_sm`), so one program's epilogue runs while the other's products
+use the tensor cores; the GELU form finishes its tile in two column halves
+(`WideConfig.epilogue_split`: fewer values live at once, which leaves room for three operand
+stages each). `pick` says which shapes take which form; `linear` is the entry the model's layers
+call (florist/layers/linear.py).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class WideConfig:
     num_stages: int = 3
     group: int = 8
     per_sm: int = 1  # programs a streaming multiprocessor: 2 or more overlap one's epilogue with another's products
+    epilogue_split: int = 1  # bias/GELU epilogues: finish and store the tile in 1 or 2 column halves
 
 
 # Fewest rows the kernel takes: at 512 rows cuBLAS + silu_and_mul is as fast (bench/gemm.py --wide).
@@ -82,7 +85,10 @@ def pick(m: int, epilogue: int = SWIGLU, n: int = 0, k: int = 0) -> WideConfig |
     - GELU with bias, all-MiniLM-L6-v2's up projection (1536 x 384, fp16), against cuBLAS +
       activation.gelu, with two programs an SM (each one's epilogue overlapping the other's
       products): 9.7 vs 8.6 at 1,024 rows, 12.2 vs 12.4 at 2,048, 23.4 vs 19.8 at 4,096, 35.0 vs
-      37.3 at 8,192, 56.7 vs 58.2 at 12,800, 102.4 vs 110.9 at 25,600, 202.0 vs 200.9 at 51,200.
+      37.3 at 8,192, 56.7 vs 58.2 at 12,800, 102.4 vs 110.9 at 25,600, 202.0 vs 200.9 at 51,200;
+      with the GELU's MUFU reciprocal and exp2, the epilogue in two halves and three stages:
+      29.3 vs 34.1 at 8,192, 46.2 vs 53.9 at 12,800, 86.5 vs 102.1 at 25,600 (docs/benchmarks.md,
+      "The GELU's reciprocal and exp2, and its epilogue in halves").
     - Plain, with bias: MiniLM's qkv (1152 x 384) 24.3 vs 22.5 at 12,800 rows, 45.2 vs 48.9 at
       25,600, 89.7 vs 92.3 at 51,200; its o (384 x 384) and down (384 x 1536), and Qwen3's plain
       products, no faster than cuBLAS at any row count: those stay with cuBLAS.
@@ -96,7 +102,7 @@ def pick(m: int, epilogue: int = SWIGLU, n: int = 0, k: int = 0) -> WideConfig |
     if not 0 < k <= SHORT_K:
         return None
     if epilogue == GELU and m >= GELU_MIN_ROWS:
-        return WideConfig(128, 128, 64, num_warps=8, num_stages=2, per_sm=2)
+        return WideConfig(128, 128, 64, num_warps=8, num_stages=3, per_sm=2, epilogue_split=2)
     if epilogue == NONE and n >= 2 * k and m >= PLAIN_MIN_ROWS:
         return WideConfig(128, 128, 64, num_warps=4, num_stages=4)
     return None
@@ -206,15 +212,17 @@ def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogu
     else:
         n = weight.shape[0]
         w_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
+    assert c.epilogue_split in (1, 2) and (c.epilogue_split == 1 or epilogue != SWIGLU), f"epilogue_split {c.epilogue_split} with epilogue {epilogue}"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
     programs = min(tiles, c.per_sm * _num_sms(x.device))
     _wide_gemm_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x, [c.block_m, c.block_k]), w_desc, TensorDescriptor.from_tensor(out, [c.block_m, c.block_n]),
+        TensorDescriptor.from_tensor(x, [c.block_m, c.block_k]), w_desc, TensorDescriptor.from_tensor(out, [c.block_m, c.block_n // c.epilogue_split]),
         bias if bias is not None else out, m, n, k,
         BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP=c.group, EPILOGUE=epilogue, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs,
+        SPLIT=c.epilogue_split,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return out
@@ -227,8 +235,20 @@ def _num_sms(device: torch.device) -> int:
 
 
 @_jit
+def _finish(acc, b_ptr, col0, N, BN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """A plain or GELU tile's epilogue: acc [BM, BN] fp32 of the columns col0.. -> dtype."""
+    if HAS_BIAS:  # cuBLAS adds the bias to the fp32 accumulator and rounds once
+        cols = col0 + tl.arange(0, BN)
+        acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(dtype)
+    if EPILOGUE == 2:  # then activation.gelu's pass: the rounded product in fp32, rounded again
+        y = gelu_exact(y.to(tl.float32)).to(dtype)
+    return y
+
+
+@_jit
 def _wide_gemm_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                      EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+                      EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, SPLIT: tl.constexpr):
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     per_group = GROUP * tiles_n
@@ -253,11 +273,9 @@ def _wide_gemm_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, BM: tl.constexpr
         dtype = out_desc.dtype
         if EPILOGUE == 1:  # cuBLAS' rounding of the product, then activation.silu_and_mul's steps
             out_desc.store([pid_m * BM, pid_n * BN], swiglu_tile(acc, BM, BN, dtype))
-        else:
-            if HAS_BIAS:  # cuBLAS adds the bias to the fp32 accumulator and rounds once
-                cols = pid_n * BN + tl.arange(0, BN)
-                acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-            y = acc.to(dtype)
-            if EPILOGUE == 2:  # then activation.gelu's pass: the rounded product in fp32, rounded again
-                y = gelu_exact(y.to(tl.float32)).to(dtype)
-            out_desc.store([pid_m * BM, pid_n * BN], y)
+        elif SPLIT == 1:
+            out_desc.store([pid_m * BM, pid_n * BN], _finish(acc, b_ptr, pid_n * BN, N, BN, EPILOGUE, HAS_BIAS, dtype))
+        else:  # two column halves, one after the other: fewer values live at once in the epilogue
+            left, right = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+            out_desc.store([pid_m * BM, pid_n * BN], _finish(left, b_ptr, pid_n * BN, N, BN // 2, EPILOGUE, HAS_BIAS, dtype))
+            out_desc.store([pid_m * BM, pid_n * BN + BN // 2], _finish(right, b_ptr, pid_n * BN + BN // 2, N, BN // 2, EPILOGUE, HAS_BIAS, dtype))
