@@ -108,13 +108,15 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, P
 # CUDA differs in 370 (`bench/kernels.py --gelu` counts them).
 # The coefficients are P's times log2(e), so the exponential is one exp2.
 # The reciprocal and the exp2 are the hardware's approximate instructions with subnormal results
-# flushed (`rcp.approx.ftz.f32`, `ex2.approx.ftz.f32`: one MUFU instruction each, where
-# `tl.math.fdiv` is div.full's reciprocal with its scaling checks and `tl.math.exp2` adds the
-# subnormal range's). Over every finite fp16 and bf16 input the results are the same bits as with
-# div.full and exp2 on the H200, and in the wide product's epilogue, which pays for every
-# instruction beside the tensor cores' work, all-MiniLM-L6-v2's up projection + GELU took 93.9
-# against 102.9 us at 25,600 rows, and the pass alone a copy's time (docs/benchmarks.md, "The
-# GELU's reciprocal and exp2, and its epilogue in halves").
+# flushed (`rcp.approx.ftz.f32`, `ex2.approx.ftz.f32`: one MUFU instruction each), by inline PTX.
+# `tl.math.fdiv` is div.full: the MUFU reciprocal plus scaling checks, eight instructions more an
+# element. Triton 3.9 compiles `tl.math.exp2` to that ex2 already; on the device's Triton 3.6 the
+# explicit one measured 1.4-1.8 us faster in the two pairs below, about the spread. Over every finite fp16 and bf16
+# input the results are the same bits as with div.full and exp2 on the H200, and in the wide
+# product's epilogue, which pays for every instruction beside the tensor cores' work,
+# all-MiniLM-L6-v2's up projection + GELU took 93.9 against 102.9 us at 25,600 rows, and the pass
+# alone a copy's time (docs/benchmarks.md, "The GELU's reciprocal and exp2, and its epilogue in
+# halves").
 # Triton's interpreter has no inline PTX, so there (CPU tests) the two are fdiv and exp2, as they
 # are compiled with FLORIST_GELU_APPROX_MUFU=0 (for side-by-side measurements).
 _GELU_BLOCK = 4096  # elements a program (8 warps): the fastest of 1,024-4,096 on the H200
