@@ -485,3 +485,21 @@ def test_gelu_approximate_instructions_give_the_same_bits():
             results.append(torch.load(path))
     for name in results[0]:
         assert torch.equal(results[0][name], results[1][name]), name
+
+
+def test_gelu_takes_inline_ptx_only_where_it_compiles():
+    """The MUFU instructions are NVIDIA PTX: off under the interpreter, on a ROCm build and with
+    FLORIST_GELU_APPROX_MUFU=0; on otherwise (read at import, so each setting in a fresh process)."""
+    pytest.importorskip("triton")
+
+    def ptx(hip: str | None = None, **env: str) -> str:
+        script = f"import torch\ntorch.version.hip = {hip!r}\nfrom florist.kernels import activation\nprint(activation._PTX)\n"
+        base = {k: v for k, v in _subprocess_env().items() if k not in ("TRITON_INTERPRET", "FLORIST_GELU_APPROX_MUFU")}
+        proc = subprocess.run([sys.executable, "-c", script], env={**base, **env}, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.strip()
+
+    assert ptx() == "True"
+    assert ptx(hip="6.2") == "False"
+    assert ptx(TRITON_INTERPRET="1") == "False"
+    assert ptx(FLORIST_GELU_APPROX_MUFU="0") == "False"

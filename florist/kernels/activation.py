@@ -157,7 +157,9 @@ def gelu_triton(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_PTX = triton is not None and os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get("FLORIST_GELU_APPROX_MUFU", "1") != "0"
+# Inline PTX: NVIDIA only (not under the interpreter, nor on a ROCm build, whose tensors are "cuda" too).
+_PTX = (triton is not None and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        and os.environ.get("FLORIST_GELU_APPROX_MUFU", "1") != "0")
 _APPROX_MUFU = tl.constexpr(_PTX) if triton is not None else _PTX
 
 
