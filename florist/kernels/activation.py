@@ -77,10 +77,16 @@ def silu_mul_rounded(gate, up, dtype: tl.constexpr):
 
 
 @_jit
+def column_halves(t, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """t [ROWS, 2 HALF] -> (t[:, :HALF], t[:, HALF:]), in registers."""
+    return tl.split(tl.permute(tl.reshape(t, (ROWS, 2, HALF)), (0, 2, 1)))
+
+
+@_jit
 def swiglu_tile(acc, BM: tl.constexpr, BN: tl.constexpr, dtype: tl.constexpr):
     """The SwiGLU epilogue of a product over a [2, BN, BK] weight box (BN gate rows, then the
     BN matching up rows): acc [BM, 2 BN] fp32 -> silu(gate) * up [BM, BN] in dtype."""
-    gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+    gate, up = column_halves(acc, BM, BN)
     return silu_mul_rounded(gate, up, dtype)
 
 
@@ -111,12 +117,12 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, P
 # flushed (`rcp.approx.ftz.f32`, `ex2.approx.ftz.f32`: one MUFU instruction each), by inline PTX.
 # `tl.math.fdiv` is div.full: the MUFU reciprocal plus scaling checks, eight instructions more an
 # element. Triton 3.9 compiles `tl.math.exp2` to that ex2 already; on the device's Triton 3.6 the
-# explicit one measured 1.4-1.8 us faster in the two pairs below, about the spread. Over every finite fp16 and bf16
-# input the results are the same bits as with div.full and exp2 on the H200, and in the wide
-# product's epilogue, which pays for every instruction beside the tensor cores' work,
-# all-MiniLM-L6-v2's up projection + GELU took 93.9 against 102.9 us at 25,600 rows, and the pass
-# alone a copy's time (docs/benchmarks.md, "The GELU's reciprocal and exp2, and its epilogue in
-# halves").
+# explicit one measured 1.4-1.8 us faster in the wide product below, about the spread. Over every
+# finite fp16 and bf16 input the results are the same bits as with div.full and exp2 on the H200,
+# and in the wide product's epilogue, which pays for every instruction beside the tensor cores'
+# work, all-MiniLM-L6-v2's up projection + GELU took 93.9 against 102.9 us at 25,600 rows, and the
+# pass alone a copy's time (docs/benchmarks.md, "The GELU's reciprocal and exp2, and its epilogue
+# in halves").
 # Triton's interpreter has no inline PTX, so there (CPU tests) the two are fdiv and exp2, as they
 # are compiled with FLORIST_GELU_APPROX_MUFU=0 (for side-by-side measurements).
 _GELU_BLOCK = 4096  # elements a program (8 warps): the fastest of 1,024-4,096 on the H200

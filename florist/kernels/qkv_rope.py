@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from florist.kernels import pdl, rotary, skinny_gemm, wide_gemm
+from florist.kernels.activation import column_halves
 from florist.kernels.skinny_gemm import GemmConfig
 
 try:
@@ -130,7 +131,7 @@ def _qkv_rope_kernel(x_desc, w_desc, out_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_p
     mask = row_ok[:, None] & d_ok[None, :]
     dst = out_ptr + rows.to(tl.int64)[:, None] * N + head * HEAD_DIM + d[None, :]
     # The product rounded to x's dtype, as the unfused product stores it; then its two halves.
-    x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(dtype), (BLOCK_M, 2, HALF)), (0, 2, 1)))
+    x1, x2 = column_halves(acc.to(dtype), BLOCK_M, HALF)
     if head < num_q_heads + num_k_heads:
         if head < num_q_heads:
             w_ptr = q_w_ptr

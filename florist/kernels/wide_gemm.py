@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from florist.kernels.activation import gelu_exact, swiglu_tile
+from florist.kernels.activation import column_halves, gelu_exact, swiglu_tile
 
 try:
     import triton
@@ -276,6 +276,6 @@ def _wide_gemm_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, BM: tl.constexpr
         elif SPLIT == 1:
             out_desc.store([pid_m * BM, pid_n * BN], _finish(acc, b_ptr, pid_n * BN, N, BN, EPILOGUE, HAS_BIAS, dtype))
         else:  # two column halves, one after the other: fewer values live at once in the epilogue
-            left, right = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+            left, right = column_halves(acc, BM, BN // 2)
             out_desc.store([pid_m * BM, pid_n * BN], _finish(left, b_ptr, pid_n * BN, N, BN // 2, EPILOGUE, HAS_BIAS, dtype))
             out_desc.store([pid_m * BM, pid_n * BN + BN // 2], _finish(right, b_ptr, pid_n * BN + BN // 2, N, BN // 2, EPILOGUE, HAS_BIAS, dtype))
