@@ -246,9 +246,11 @@ def _prefill_layer_chain(rows: int, seed: int):
 
 
 def _bert_layer_chain(rows: int, seed: int):
-    """all-MiniLM-L6-v2's kernels for one sequence of `rows` tokens, fp16: embeddings +
-    LayerNorm, a layer (cuBLAS qkv and o with their bias, short attention, LayerNorm + residual,
-    the up product with GELU, down, LayerNorm + residual) and mean pooling, on fresh inputs."""
+    """all-MiniLM-L6-v2's kernels for `rows` tokens in sequences of at most 128 (one sequence up
+    to 128 rows), fp16: embeddings + LayerNorm, a layer (cuBLAS qkv and o with their bias, short
+    attention, LayerNorm + residual, the up product with GELU, down, LayerNorm + residual) and
+    mean pooling, on fresh inputs."""
+    from florist.kernels import wide_gemm
     from florist.kernels.embeddings import embed_layer_norm
     from florist.kernels.pooling import segment_mean
     from florist.kernels.short_attention import short_attention
@@ -260,29 +262,36 @@ def _bert_layer_chain(rows: int, seed: int):
         return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.float16)
 
     hidden, heads, dim, inter, eps = 384, 12, 32, 1536, 1e-12
+    seqlen = min(rows, 128)  # rows a multiple of it: no pooling span split, whose atomic adds have no fixed order
     t = {"ids": torch.randint(0, 1000, (rows,), generator=g, device="cuda", dtype=torch.int32),
-         "pos": torch.arange(rows, device="cuda", dtype=torch.int32), "types": torch.zeros(rows, device="cuda", dtype=torch.int32),
+         "pos": torch.arange(rows, device="cuda", dtype=torch.int32) % seqlen, "types": torch.zeros(rows, device="cuda", dtype=torch.int32),
          "word": rnd(1000, hidden), "pos_table": rnd(512, hidden), "type_table": rnd(2, hidden),
          "qkv": rnd(3 * hidden, hidden, scale=0.05), "qkv_b": rnd(3 * hidden, scale=0.1), "o": rnd(hidden, hidden, scale=0.05),
          "o_b": rnd(hidden, scale=0.1), "up": rnd(inter, hidden, scale=0.05), "up_b": rnd(inter, scale=0.1),
          "down": rnd(hidden, inter, scale=0.03), "down_b": rnd(hidden, scale=0.1),
          **{f"ln{i}_{p}": rnd(hidden, scale=0.2) + (1 if p == "w" else 0) for i in range(3) for p in ("w", "b")},
-         "cu": torch.tensor([0, rows], dtype=torch.int32, device="cuda")}
+         "cu": torch.arange(0, rows + 1, seqlen, dtype=torch.int32, device="cuda")}
 
     def forward(t):
         x = embed_layer_norm(t["ids"], t["pos"], t["types"], t["word"], t["pos_table"], t["type_table"], t["ln0_w"], t["ln0_b"], eps)
-        q, k, v = torch.nn.functional.linear(x, t["qkv"], t["qkv_b"]).view(rows, 3, heads, dim).unbind(1)
-        a = short_attention(q, k, v, t["cu"], rows, False, dim ** -0.5).view(rows, hidden)
+        # The wide kernel's products where the model's layers take them (qkv and up from 12,800 rows).
+        qkv = wide_gemm.linear(x, t["qkv"], t["qkv_b"], gelu=False)
+        if qkv is None:
+            qkv = torch.nn.functional.linear(x, t["qkv"], t["qkv_b"])
+        q, k, v = qkv.view(rows, 3, heads, dim).unbind(1)
+        a = short_attention(q, k, v, t["cu"], seqlen, False, dim ** -0.5).view(rows, hidden)
         h = norms.add_layer_norm(torch.nn.functional.linear(a, t["o"], t["o_b"]), x, t["ln1_w"], t["ln1_b"], eps)
-        act = skinny_gemm(h, t["up"], t["up_b"], gelu=True)
+        act = wide_gemm.linear(h, t["up"], t["up_b"], gelu=True)
+        if act is None:
+            act = skinny_gemm(h, t["up"], t["up_b"], gelu=True)
         out = norms.add_layer_norm(torch.nn.functional.linear(act, t["down"], t["down_b"]), h, t["ln2_w"], t["ln2_b"], eps)
-        return [x, a, h, act, out, segment_mean(out, t["ids"], t["cu"], rows)]
+        return [x, a, h, act, out, segment_mean(out, t["ids"], t["cu"], seqlen)]
 
     return t, forward
 
 
 @pytest.mark.gpu(capability=(9, 0))
-@pytest.mark.parametrize("chain, rows", [("qwen3", 37), ("qwen3", 128), ("bert", 37), ("bert", 128)])
+@pytest.mark.parametrize("chain, rows", [("qwen3", 37), ("qwen3", 128), ("bert", 37), ("bert", 128), ("bert", 12800)])
 def test_pdl_gives_the_same_bits(chain, rows, monkeypatch):
     """A prefill layer's kernels launched with programmatic dependent launch give the bits they
     give without it: eagerly, and replayed in a CUDA graph on fresh inputs."""
@@ -351,6 +360,17 @@ def test_pdl_product_compiles_for_hopper(pdl_on):
     const = dict(K_PER_SPLIT=768, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, PARTIAL=True, HAS_BIAS=False, SILU_MUL=False, GELU=False,
                  EVEN_K=True)
     _assert_waits_first(_hopper_ptx(_gemm_kernel, list(zip(names, types)), const, pdl_on), pdl_on)
+
+
+@pytest.mark.parametrize("pdl_on", [True, False])
+def test_pdl_wide_product_compiles_for_hopper(pdl_on):
+    """The wide (persistent, TMA) product waits under PDL too: all-MiniLM-L6-v2's up projection
+    with its bias and GELU, compiled for sm_90, has the wait before its first tensor load."""
+    from florist.kernels.wide_gemm import _wide_gemm_kernel
+
+    args = [(n, "tensordesc<fp16[128, 64]>") for n in ("x_desc", "w_desc", "out_desc")] + [("b_ptr", "*fp16")] + [(n, "i32") for n in "MNK"]
+    const = dict(BM=128, BN=128, BK=64, GROUP=8, EPILOGUE=2, HAS_BIAS=True, NUM_PROGRAMS=264, SPLIT=2)
+    _assert_waits_first(_hopper_ptx(_wide_gemm_kernel, args, const, pdl_on, num_warps=8), pdl_on)
 
 
 @pytest.mark.parametrize("pdl_on", [True, False])

@@ -110,6 +110,7 @@ def test_pick_takes_short_k_products_with_gelu_or_wide_outputs():
     assert wg.pick(m, wg.NONE, 1152, 384) is not None
     assert wg.pick(wg.GELU_MIN_ROWS - 1, wg.GELU, 1536, 384) is None and wg.pick(wg.GELU_MIN_ROWS, wg.GELU, 1536, 384) is not None
     assert wg.pick(wg.PLAIN_MIN_ROWS - 1, wg.NONE, 1152, 384) is None
+    assert wg.PLAIN_MIN_ROWS == 12800 and wg.pick(12800, wg.NONE, 1152, 384) is not None  # a half of the 100 x 256 bucket
     for n, k in ((384, 384), (384, 1536), (4096, 1024), (1024, 2048), (1024, 3072)):
         assert wg.pick(m, wg.NONE, n, k) is None, (n, k)
     assert wg.pick(m, wg.GELU, 3072, 768) is None  # K = 768: not measured

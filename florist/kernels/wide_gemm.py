@@ -21,14 +21,15 @@ blocks sweep the columns together, so a weight tile is reused from L2); operands
 
 `EPILOGUE` NONE (plain y = x @ w.T + bias) does not beat cuBLAS on Qwen3's qkv, o or down at
 512-16,384 rows (bench/gemm.py --wide --sweep), nor on all-MiniLM-L6-v2's o and down; it does on
-MiniLM's qkv at 25,600 rows and more. `EPILOGUE` GELU adds the bias and the exact GELU
+MiniLM's qkv at 25,600 rows and more alone, and in the engine's step from 12,800. `EPILOGUE` GELU adds the bias and the exact GELU
 (`activation.gelu_exact`) to BERT's up projection, so the GELU's pass over [T, 4H] is gone. With
 K = 384 a tile's product is six K blocks, as short as its epilogue: there the kernel runs two
 programs an SM (`WideConfig.per_sm`), so one program's epilogue runs while the other's products
 use the tensor cores; the GELU form finishes its tile in two column halves
 (`WideConfig.epilogue_split`: fewer values live at once, which leaves room for three operand
 stages each). `pick` says which shapes take which form; `linear` is the entry the model's layers
-call (florist/layers/linear.py).
+call (florist/layers/linear.py). Under PDL (florist/kernels/pdl.py) the kernel waits for its
+predecessor before its first load, as a layer's other Triton kernels do.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from florist.kernels import pdl
 from florist.kernels.activation import column_halves, gelu_exact, swiglu_tile
 
 try:
@@ -91,7 +93,10 @@ def pick(m: int, epilogue: int = SWIGLU, n: int = 0, k: int = 0) -> WideConfig |
       "The GELU's reciprocal and exp2, and its epilogue in halves").
     - Plain, with bias: MiniLM's qkv (1152 x 384) 24.3 vs 22.5 at 12,800 rows, 45.2 vs 48.9 at
       25,600, 89.7 vs 92.3 at 51,200; its o (384 x 384) and down (384 x 1536), and Qwen3's plain
-      products, no faster than cuBLAS at any row count: those stay with cuBLAS.
+      products, no faster than cuBLAS at any row count: those stay with cuBLAS. At 12,800 rows
+      (each half of MiniLM's 100 x 256 batch) the kernel still wins in the step, where cuBLAS's
+      qkv product comes with a memset node before it: +1.1-1.9 % streamed in 5 of 6
+      interleaved rounds ("The wide product under PDL, and MiniLM's qkv from 12,800 rows").
     (docs/benchmarks.md, "MiniLM's products in the wide kernel".)"""
     if m < MIN_ROWS:
         return None
@@ -113,7 +118,7 @@ def pick(m: int, epilogue: int = SWIGLU, n: int = 0, k: int = 0) -> WideConfig |
 # all-MiniLM-L6-v2's shapes only, K = 384; `pick`).
 SHORT_K = 512
 GELU_MIN_ROWS = 8192
-PLAIN_MIN_ROWS = 25600
+PLAIN_MIN_ROWS = 12800
 
 
 # Shared memory a program of the largest `pick` configuration needs: 3 stages of x [128, 64] and
@@ -223,7 +228,7 @@ def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogu
         bias if bias is not None else out, m, n, k,
         BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP=c.group, EPILOGUE=epilogue, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs,
         SPLIT=c.epilogue_split,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_args(x),
     )
     return out
 
@@ -248,7 +253,9 @@ def _finish(acc, b_ptr, col0, N, BN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_B
 
 @_jit
 def _wide_gemm_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                      EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, SPLIT: tl.constexpr):
+                      EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, SPLIT: tl.constexpr,
+                      PDL: tl.constexpr):
+    pdl.pdl_wait(PDL)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     per_group = GROUP * tiles_n
