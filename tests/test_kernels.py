@@ -363,17 +363,6 @@ def test_pdl_product_compiles_for_hopper(pdl_on):
 
 
 @pytest.mark.parametrize("pdl_on", [True, False])
-def test_pdl_wide_product_compiles_for_hopper(pdl_on):
-    """The wide (persistent, TMA) product waits under PDL too: all-MiniLM-L6-v2's up projection
-    with its bias and GELU, compiled for sm_90, has the wait before its first tensor load."""
-    from florist.kernels.wide_gemm import _wide_gemm_kernel
-
-    args = [(n, "tensordesc<fp16[128, 64]>") for n in ("x_desc", "w_desc", "out_desc")] + [("b_ptr", "*fp16")] + [(n, "i32") for n in "MNK"]
-    const = dict(BM=128, BN=128, BK=64, GROUP=8, EPILOGUE=2, HAS_BIAS=True, NUM_PROGRAMS=264, SPLIT=2)
-    _assert_waits_first(_hopper_ptx(_wide_gemm_kernel, args, const, pdl_on, num_warps=8), pdl_on)
-
-
-@pytest.mark.parametrize("pdl_on", [True, False])
 @pytest.mark.parametrize("kernel", ["layer_norm", "embed_layer_norm", "segment_mean", "gelu"])
 def test_pdl_bert_kernels_compile_for_hopper(kernel, pdl_on):
     """BERT's own kernels (LayerNorm + residual, embeddings + LayerNorm, mean pooling, the exact

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL, Hopper and later) for the Triton kernels of a prefill layer
-(the norms, QK-norm + rotary, the short attention, SwiGLU, the skinny and wide products; BERT's
-embeddings + LayerNorm, the exact GELU and mean pooling).
+(the norms, QK-norm + rotary, the short attention, SwiGLU, the skinny product; BERT's embeddings
++ LayerNorm, the exact GELU and mean pooling).
 
 Inside a CUDA graph a kernel that moves a few microseconds of bytes still costs ~4-5 us; part of
 it is the gap between one kernel's last programs exiting and the next kernel's first programs

@@ -28,8 +28,9 @@ programs an SM (`WideConfig.per_sm`), so one program's epilogue runs while the o
 use the tensor cores; the GELU form finishes its tile in two column halves
 (`WideConfig.epilogue_split`: fewer values live at once, which leaves room for three operand
 stages each). `pick` says which shapes take which form; `linear` is the entry the model's layers
-call (florist/layers/linear.py). Under PDL (florist/kernels/pdl.py) the kernel waits for its
-predecessor before its first load, as a layer's other Triton kernels do.
+call (florist/layers/linear.py). It is launched without PDL (florist/kernels/pdl.py): waiting
+under it measured no faster, for MiniLM or for Qwen3 (docs/benchmarks.md, "The wide product under
+PDL, and MiniLM's qkv from 12,800 rows").
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from dataclasses import dataclass
 
 import torch
 
-from florist.kernels import pdl
 from florist.kernels.activation import column_halves, gelu_exact, swiglu_tile
 
 try:
@@ -228,7 +228,7 @@ def wide_gemm(x: torch.Tensor, weight: torch.Tensor, config: WideConfig, epilogu
         bias if bias is not None else out, m, n, k,
         BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP=c.group, EPILOGUE=epilogue, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs,
         SPLIT=c.epilogue_split,
-        num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_args(x),
+        num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return out
 
@@ -253,9 +253,7 @@ def _finish(acc, b_ptr, col0, N, BN: tl.constexpr, EPILOGUE: tl.constexpr, HAS_B
 
 @_jit
 def _wide_gemm_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                      EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, SPLIT: tl.constexpr,
-                      PDL: tl.constexpr):
-    pdl.pdl_wait(PDL)
+                      EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, SPLIT: tl.constexpr):
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     per_group = GROUP * tiles_n
