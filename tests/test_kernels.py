@@ -247,9 +247,10 @@ def _prefill_layer_chain(rows: int, seed: int):
 
 def _bert_layer_chain(rows: int, seed: int):
     """all-MiniLM-L6-v2's kernels for `rows` tokens in sequences of at most 128 (one sequence up
-    to 128 rows), fp16: embeddings + LayerNorm, a layer (cuBLAS qkv and o with their bias, short
+    to 128 rows), fp16: embeddings + LayerNorm, a layer (qkv and o with their bias, short
     attention, LayerNorm + residual, the up product with GELU, down, LayerNorm + residual) and
-    mean pooling, on fresh inputs."""
+    mean pooling, on fresh inputs; the products as the model's layers run them (cuBLAS, the
+    skinny kernel, or the wide kernel for qkv and up from 12,800 rows)."""
     from florist.kernels import wide_gemm
     from florist.kernels.embeddings import embed_layer_norm
     from florist.kernels.pooling import segment_mean

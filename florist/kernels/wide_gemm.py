@@ -21,8 +21,9 @@ blocks sweep the columns together, so a weight tile is reused from L2); operands
 
 `EPILOGUE` NONE (plain y = x @ w.T + bias) does not beat cuBLAS on Qwen3's qkv, o or down at
 512-16,384 rows (bench/gemm.py --wide --sweep), nor on all-MiniLM-L6-v2's o and down; it does on
-MiniLM's qkv at 25,600 rows and more alone, and in the engine's step from 12,800. `EPILOGUE` GELU adds the bias and the exact GELU
-(`activation.gelu_exact`) to BERT's up projection, so the GELU's pass over [T, 4H] is gone. With
+MiniLM's qkv, alone from 25,600 rows and in the engine's step from 12,800. `EPILOGUE` GELU adds
+the bias and the exact GELU (`activation.gelu_exact`) to BERT's up projection, so the GELU's pass
+over [T, 4H] is gone. With
 K = 384 a tile's product is six K blocks, as short as its epilogue: there the kernel runs two
 programs an SM (`WideConfig.per_sm`), so one program's epilogue runs while the other's products
 use the tensor cores; the GELU form finishes its tile in two column halves
