@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from florist.kernels import activation, skinny_gemm, wide_gemm  # noqa: E402
 from florist.kernels.skinny_gemm import GemmConfig  # noqa: E402
-from kernels import time_in_graph  # noqa: E402  (bench/kernels.py)
+from fused_kernels import time_in_graph  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.2e12
 # name, N (weight rows), K, SwiGLU fused; "+gelu" shapes fuse exact GELU
@@ -75,7 +75,7 @@ SHAPES = [
 
 def time_graph(fn, copies: int, replays: int = 20) -> float:
     """Median us per call of fn(i) over i = 0 .. copies-1 (one distinct weight each), captured
-    in one CUDA graph (bench/kernels.py's timing)."""
+    in one CUDA graph (bench/fused_kernels.py's timing)."""
     index = itertools.count()
     return time_in_graph(lambda: fn(next(index) % copies), copies, replays)
 

@@ -24,19 +24,19 @@ def test_gemm_without_cuda_says_so(args):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
 @pytest.mark.parametrize("args", [(), ("--pooling", "--sweep"), ("--decode",), ("--gelu",), ("--norms",)])
 def test_kernels_without_cuda_says_so(args):
-    out = run_bench("kernels.py", *args)
+    out = run_bench("fused_kernels.py", *args)
     assert out.returncode == 1 and "needs a CUDA GPU" in out.stderr, out.stderr[-2000:]
 
 
 def test_pooling_sweep_configurations_launch():
-    """bench/kernels.py --pooling --sweep: every configuration is valid, holds at least one load
+    """bench/fused_kernels.py --pooling --sweep: every configuration is valid, holds at least one load
     of rows a program and fits the register bound; the ones `pick` chose from are among them."""
     import sys
 
     from bench_scripts import ROOT
 
     sys.path.insert(0, str(ROOT / "bench"))
-    import kernels
+    import fused_kernels as kernels
 
     from florist.kernels.pooling import PoolConfig
 

@@ -111,7 +111,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, P
 # z = 12, where only bf16's tail can still see it; below |x| = 2^-7 the first term of Phi's series
 # is taken instead. Over every finite fp16 input its fp16 result differs from the correctly rounded
 # exact GELU in 33 of 63,488 values on the H200, by one unit in the last place, where F.gelu on
-# CUDA differs in 370 (`bench/kernels.py --gelu` counts them).
+# CUDA differs in 370 (`bench/fused_kernels.py --gelu` counts them).
 # The coefficients are P's times log2(e), so the exponential is one exp2.
 # The reciprocal and the exp2 are the hardware's approximate instructions with subnormal results
 # flushed (`rcp.approx.ftz.f32`, `ex2.approx.ftz.f32`: one MUFU instruction each), by inline PTX.

@@ -246,7 +246,7 @@ def _row_strides(x):
 def _row_blocking(n_cols: int, layer_norm: bool = False):
     """-> (rows a program, BLOCK_COLS, warps) for rows of n_cols. Short rows (QK-norm over
     head_dim) share a program so each one moves >= ~2k elements, a warp per 256 of them. Two
-    shapes measured otherwise (`bench/kernels.py --norms`, docs/benchmarks.md "The norms' row
+    shapes measured otherwise (`bench/fused_kernels.py --norms`, docs/benchmarks.md "The norms' row
     blocking"): RMSNorms of 513-1,024 columns (Qwen3-0.6B's hidden size) take a program a row
     with 8 warps, and LayerNorms of 257-512 columns (MiniLM's 384) two rows to a one-warp program.
 

@@ -15,7 +15,7 @@ model each costs as much as a matrix product. The kernel is one launch:
 The kernel's loads are latency-bound (each program's next load waits for its sum), so `pick`
 reads as many rows a load as a sequence has, up to 256, in 64-column programs (more programs
 a sequence, fewer rounds each): on the H200 2.4-4.8x faster than 32 rows a load in 128-column
-programs (`python bench/kernels.py --pooling --sweep`, docs/benchmarks.md, "Mean pooling").
+programs (`python bench/fused_kernels.py --pooling --sweep`, docs/benchmarks.md, "Mean pooling").
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def pick(max_seqlen: int, h: int, num_seqs: int = 1 << 30) -> PoolConfig:
     """The launch configuration for `num_seqs` sequences of at most `max_seqlen` tokens of `h`
     columns: a sequence's rows in as few loads as fit (up to 256 rows a load, 64 columns a
     program); a few sequences of 257-1,024 tokens are split in 64-token spans, so that they
-    still fill the device (`python bench/kernels.py --pooling --sweep`: 1 x 512 tokens of
+    still fill the device (`python bench/fused_kernels.py --pooling --sweep`: 1 x 512 tokens of
     pplx-embed 4.2 us against 5.8 in 256-token spans)."""
     if _FORCED is not None:
         return _FORCED

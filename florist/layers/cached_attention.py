@@ -21,7 +21,7 @@ Decode backends form a small registry like the ragged ones, chosen once at const
              it runs as two kernels (split-KV, then combine).
     "triton" florist's one-launch split-context kernel (florist/kernels/decode_attention.py), the
              CUDA default for fp16/bf16: ahead of "flash" at every batch (1-32) and context
-             (128-4096) measured (bench/kernels.py --decode, docs/benchmarks.md). For Qwen3 it
+             (128-4096) measured (bench/fused_kernels.py --decode, docs/benchmarks.md). For Qwen3 it
              also takes the step's raw q/k/v (`decode_with_qk_norm_rope`): QK-norm, rotary and
              the k/v store run in the attention launch, not in a rotary launch before it
              (FLORIST_DECODE_FUSED_ROPE=0 keeps them apart, for A/B runs).

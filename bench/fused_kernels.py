@@ -1,12 +1,12 @@
 """Fused Triton kernels against their torch references on CUDA, Qwen3-0.6B geometry
 (hidden 1024, 16 q / 8 kv heads, head_dim 128, intermediate 3072).
 
-    python bench/kernels.py [--tokens 128 512 4096 51200] [--dtype bf16] [--reps 50]
-    python bench/kernels.py --decode [--batches 1 8 32] [--contexts 128 512 2048 4096]
-    python bench/kernels.py --decode-layer [--batches 1 2 4] [--contexts 256] [--sweep]
-    python bench/kernels.py --pooling [--sweep]
-    python bench/kernels.py --gelu [--tokens 3200 12800 25600 51200]
-    python bench/kernels.py --norms
+    python bench/fused_kernels.py [--tokens 128 512 4096 51200] [--dtype bf16] [--reps 50]
+    python bench/fused_kernels.py --decode [--batches 1 8 32] [--contexts 128 512 2048 4096]
+    python bench/fused_kernels.py --decode-layer [--batches 1 2 4] [--contexts 256] [--sweep]
+    python bench/fused_kernels.py --pooling [--sweep]
+    python bench/fused_kernels.py --gelu [--tokens 3200 12800 25600 51200]
+    python bench/fused_kernels.py --norms
 
 --norms times the add + norm kernels (florist/kernels/norms.py, embeddings.py) at the shapes the
 models run them (all-MiniLM-L6-v2's LayerNorms of 384 columns, Qwen3-0.6B's add + RMSNorm of
@@ -455,7 +455,7 @@ def main() -> int:
     parser.add_argument("--norms", action="store_true", help="time the add + norm kernels' row blockings instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("bench/fused_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 1
     import triton
 
