@@ -194,18 +194,23 @@ def profile(engine: Engine, name: str, shapes: list[list[int]], iters: int = 10)
         print_kernel_table(prof, iters, f"profile {name} {len(lens)} x {lens[0]}", rows=14)
 
 
-def latency_breakdown(engine: Engine, name: str, lens: list[int], n: int = 200):
-    """Where a batch-1 round trip goes: host time until step() returns (launch), device time from
-    the input copy to the output copy (CUDA events around step()), and the whole round trip."""
+def latency_breakdown(engine: Engine, name: str, shapes: list[tuple[int, int]], n: int = 200):
+    """Where a synchronous step goes, per batch shape (sequences, tokens each): host time to pack
+    the HostBatch, host time until step() returns (launch), device time between CUDA events
+    recorded before and after step() (it includes whatever time the GPU waits for the launch), and
+    the whole round trip, packing included."""
     rng = np.random.default_rng(5)
-    for seqlen in lens:
-        host = HostBatch.from_sequences(random_seqs(rng, engine.info.vocab_size, [seqlen]))
-        for _ in range(20):
-            engine.step(host).numpy()
-        launch, gpu, total = [], [], []
-        for _ in range(n):
+    for batch, seqlen in shapes:
+        seqs = random_seqs(rng, engine.info.vocab_size, [seqlen] * batch)
+        reps = n if batch * seqlen <= 4096 else max(20, n // 10)
+        for _ in range(min(20, reps)):
+            engine.step(HostBatch.from_sequences(seqs)).numpy()
+        pack, launch, gpu, total = [], [], [], []
+        for _ in range(reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
+            host = HostBatch.from_sequences(seqs)
+            tp = time.perf_counter()
             a.record()
             lazy = engine.step(host)
             b.record()
@@ -213,14 +218,15 @@ def latency_breakdown(engine: Engine, name: str, lens: list[int], n: int = 200):
             lazy.numpy()
             t2 = time.perf_counter()
             b.synchronize()
-            launch.append((t1 - t0) * 1e3)
+            pack.append((tp - t0) * 1e3)
+            launch.append((t1 - tp) * 1e3)
             total.append((t2 - t0) * 1e3)
             gpu.append(a.elapsed_time(b))
         med = statistics.median
-        record(f"{name} 1 x {seqlen} round trip", "p50 ms", med(total), None, "ms",
-               {"launch_ms": med(launch), "gpu_ms": med(gpu), "exposed_host_ms": med(total) - med(gpu)})
-        print(f"    launch (host, step() returns) {med(launch):.3f} ms, device (events) {med(gpu):.3f} ms, "
-              f"round trip {med(total):.3f} ms", flush=True)
+        record(f"{name} {batch} x {seqlen} round trip", "p50 ms", med(total), None, "ms",
+               {"pack_ms": med(pack), "launch_ms": med(launch), "gpu_ms": med(gpu), "exposed_host_ms": med(total) - med(gpu)})
+        print(f"    pack (HostBatch) {med(pack):.3f} ms, launch (host, step() returns) {med(launch):.3f} ms, "
+              f"device (events) {med(gpu):.3f} ms, round trip {med(total):.3f} ms ({reps} steps)", flush=True)
 
 
 def last_token_ab(engine: Engine, name: str, n: int = 100, seqlen: int = 512, reps: int = 10):
@@ -240,6 +246,14 @@ def last_token_ab(engine: Engine, name: str, n: int = 100, seqlen: int = 512, re
     record(f"{name} {n} x {seqlen}, final layer last tokens only", "emb/s", statistics.median(rates[True]), statistics.median(rates[False]), "emb/s")
 
 
+def shapes_arg(value: str) -> list[tuple[int, int]]:
+    """'1x128,100x256' -> [(1, 128), (100, 256)]."""
+    try:
+        return [tuple(int(x) for x in part.lower().split("x", 1)) for part in value.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected BATCHxTOKENS[,BATCHxTOKENS...], e.g. 1x128,100x256") from None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny models, CPU, few iterations")
@@ -248,6 +262,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--breakdown-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[128, 512],
                     help="comma list: the Qwen3 batch-1 lengths --only breakdown times (default 128,512)")
+    ap.add_argument("--minilm-breakdown-shapes", type=shapes_arg, default=[(1, 128)],
+                    help="comma list of BATCHxTOKENS: the shapes --only minilm-breakdown times (default 1x128)")
     ap.add_argument("--only", default="", help="comma list: qwen3,pplx,minilm,stream,threshold,profile,breakdown,minilm-breakdown,lasttoken")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--json", default=None, help="write all rows here")
@@ -284,7 +300,7 @@ def main():
         if want("profile"):
             profile(engine, "qwen3-0.6b", [[128], [512] * 100])
         if want("breakdown"):
-            latency_breakdown(engine, "qwen3-0.6b", args.breakdown_tokens)
+            latency_breakdown(engine, "qwen3-0.6b", [(1, t) for t in args.breakdown_tokens])
         if want("lasttoken"):
             last_token_ab(engine, "qwen3-0.6b")
         if want("stream"):
@@ -316,7 +332,7 @@ def main():
                 graph_threshold(e, "minilm", [1024, 4096, 16384, 32768])
         if want("minilm-breakdown"):
             minilm = make_model(tmp / "minilm", "minilm-l6", dtype=torch.float16)
-            latency_breakdown(Engine.from_pretrained(minilm, device=device, dtype=torch.float16), "all-MiniLM-L6-v2 fp16", [128])
+            latency_breakdown(Engine.from_pretrained(minilm, device=device, dtype=torch.float16), "all-MiniLM-L6-v2 fp16", args.minilm_breakdown_shapes)
     print_summary(args.json)
 
 

@@ -82,3 +82,15 @@ def test_bidirectional_baseline_pads_without_a_causal_mask(qwen3_dir):
     np.testing.assert_allclose(together, alone, rtol=1e-4, atol=1e-5)
     causal = HFBaseline(qwen3_dir, torch.float32, "cpu", "mean", bidirectional=False).embed(seqs[:1])
     assert np.abs(causal - alone[:1]).max() > 1e-3  # the check can tell the two maskings apart
+
+
+def test_breakdown_shapes_are_parsed_and_bad_ones_refused():
+    """--minilm-breakdown-shapes takes BATCHxTOKENS lists; a malformed one is a usage error."""
+    proc = run_bench("engine.py", "--minilm-breakdown-shapes", "100x", "--only", "minilm-breakdown", timeout=120)
+    assert proc.returncode == 2 and "expected BATCHxTOKENS" in proc.stderr, proc.stderr[-2000:]
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import engine as bench_engine
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert bench_engine.shapes_arg("1x128,100X256") == [(1, 128), (100, 256)]
