@@ -198,7 +198,7 @@ def latency_breakdown(engine: Engine, name: str, shapes: list[tuple[int, int]], 
     """Where a synchronous step goes, per batch shape (sequences, tokens each): host time to pack
     the HostBatch, host time until step() returns (launch), device time between CUDA events
     recorded before and after step() (it includes whatever time the GPU waits for the launch), and
-    the whole round trip, packing included."""
+    the round trip from step() to the result read (packing apart, as in earlier runs' figures)."""
     rng = np.random.default_rng(5)
     for batch, seqlen in shapes:
         seqs = random_seqs(rng, engine.info.vocab_size, [seqlen] * batch)
@@ -220,7 +220,7 @@ def latency_breakdown(engine: Engine, name: str, shapes: list[tuple[int, int]], 
             b.synchronize()
             pack.append((tp - t0) * 1e3)
             launch.append((t1 - tp) * 1e3)
-            total.append((t2 - t0) * 1e3)
+            total.append((t2 - tp) * 1e3)
             gpu.append(a.elapsed_time(b))
         med = statistics.median
         record(f"{name} {batch} x {seqlen} round trip", "p50 ms", med(total), None, "ms",
@@ -249,9 +249,12 @@ def last_token_ab(engine: Engine, name: str, n: int = 100, seqlen: int = 512, re
 def shapes_arg(value: str) -> list[tuple[int, int]]:
     """'1x128,100x256' -> [(1, 128), (100, 256)]."""
     try:
-        return [tuple(int(x) for x in part.lower().split("x", 1)) for part in value.split(",") if part]
+        shapes = [tuple(int(x) for x in part.lower().split("x")) for part in value.split(",") if part]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected BATCHxTOKENS[,BATCHxTOKENS...], e.g. 1x128,100x256") from None
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected BATCHxTOKENS[,BATCHxTOKENS...], e.g. 1x128,100x256")
+    return shapes
 
 
 def main():

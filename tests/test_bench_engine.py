@@ -86,8 +86,9 @@ def test_bidirectional_baseline_pads_without_a_causal_mask(qwen3_dir):
 
 def test_breakdown_shapes_are_parsed_and_bad_ones_refused():
     """--minilm-breakdown-shapes takes BATCHxTOKENS lists; a malformed one is a usage error."""
-    proc = run_bench("engine.py", "--minilm-breakdown-shapes", "100x", "--only", "minilm-breakdown", timeout=120)
-    assert proc.returncode == 2 and "expected BATCHxTOKENS" in proc.stderr, proc.stderr[-2000:]
+    for bad in ("100x", "128", "0x128", "1x2x3"):
+        proc = run_bench("engine.py", "--minilm-breakdown-shapes", bad, "--only", "minilm-breakdown", timeout=120)
+        assert proc.returncode == 2 and "expected BATCHxTOKENS" in proc.stderr, (bad, proc.stderr[-2000:])
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import engine as bench_engine
