@@ -121,13 +121,19 @@ def _add_rms_norm(dtype, cols, strided=False):
     return case
 
 
-def _add_layer_norm(dtype, cols, with_residual):
+def _add_layer_norm(dtype, cols, with_residual, with_add=False):
+    """with_add: a [H] vector (a product's bias, `add=`) added to every row before the norm."""
+
     def case(g: Inputs, big: bool):
         t = 4099 if big else 7
         x = g.randn(t, cols, dtype=dtype, scale=2.0) + 0.5  # a nonzero mean, so centring matters
         res = g.strided_rows(t, cols, dtype) if with_residual else None
         w, b = g.randn(cols, dtype=dtype), g.randn(cols, dtype=dtype)
-        assert_matches(norms.add_layer_norm_triton(x, res, w, b, 1e-12), norms.add_layer_norm_ref(x, res, w, b, 1e-12))
+        add = g.randn(cols, dtype=dtype, scale=3.0) if with_add else None
+        got = norms.add_layer_norm_triton(x, res, w, b, 1e-12, add)
+        assert_matches(got, norms.add_layer_norm_ref(x, res, w, b, 1e-12, add))
+        if with_add:  # the vector is not ignored: without it the rows' means and scales differ
+            assert not torch.allclose(got.float(), norms.add_layer_norm_ref(x, res, w, b, 1e-12).float(), atol=1e-2)
 
     return case
 
@@ -479,6 +485,8 @@ def _build_cases() -> dict[str, Callable[[Inputs, bool], None]]:
         cases[f"rms_norm-{name}-strided"] = _rms_norm_strided(dtype)
         cases[f"add_rms_norm-{name}-strided"] = _add_rms_norm(dtype, 1000, strided=True)
         cases[f"add_layer_norm-{name}-no-residual"] = _add_layer_norm(dtype, 384, with_residual=False)
+        cases[f"add_layer_norm-{name}-add-vector"] = _add_layer_norm(dtype, 384, with_residual=False, with_add=True)
+        cases[f"add_layer_norm-{name}-H1000-residual-add-vector"] = _add_layer_norm(dtype, 1000, with_residual=True, with_add=True)
         cases[f"norms-{name}-nan-inf"] = _norms_nonfinite(dtype)
         cases[f"silu_and_mul-{name}-I3072"] = _silu_and_mul(dtype, 3072)  # several programs per row
         cases[f"silu_and_mul-{name}-strided"] = _silu_and_mul(dtype, 1000, strided=True)

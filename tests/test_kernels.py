@@ -372,9 +372,9 @@ def test_pdl_bert_kernels_compile_for_hopper(kernel, pdl_on):
 
     if kernel == "layer_norm":
         fn = norms._layer_norm_kernel
-        args = [(n, "*fp16") for n in ("x_ptr", "res_ptr", "w_ptr", "b_ptr", "out_ptr")]
+        args = [(n, "*fp16") for n in ("x_ptr", "res_ptr", "w_ptr", "b_ptr", "add_ptr", "out_ptr")]
         args += [(n, "i32") for n in ("num_rows", "num_heads", "stride_xt", "stride_xh", "stride_rt", "stride_rh", "n_cols")] + [("eps", "fp32")]
-        const = dict(HAS_RESIDUAL=True, BLOCK_ROWS=4, BLOCK_COLS=512)
+        const = dict(HAS_RESIDUAL=True, HAS_ADD=True, BLOCK_ROWS=4, BLOCK_COLS=512)
     elif kernel == "embed_layer_norm":
         fn = embeddings._embed_layer_norm_kernel
         args = [(n, "*i32") for n in ("ids_ptr", "pos_ids_ptr", "type_ids_ptr")]

@@ -72,9 +72,12 @@ def add_rms_norm_ref(x: torch.Tensor | SplitKPartials, residual: torch.Tensor, w
     return rms_norm_ref(summed, weight, eps), summed
 
 
-def add_layer_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+def add_layer_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                       add: torch.Tensor | None = None) -> torch.Tensor:
     if residual is not None:
         x = x + residual
+    if add is not None:  # a product's bias left out of its epilogue: rounded to x's dtype like the sum
+        x = (x.float() + add.float()).to(x.dtype)
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
@@ -103,11 +106,18 @@ def add_rms_norm(x: torch.Tensor | SplitKPartials, residual: torch.Tensor, weigh
     return add_rms_norm_ref(x, residual, weight, eps)
 
 
-def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """BERT's post-LayerNorm: layer_norm(x + residual) (or of x alone when residual is None)."""
-    if bias is not None and _triton_applies(x, weight, residual, bias):
-        return add_layer_norm_triton(x, residual, weight, bias, eps)
-    return add_layer_norm_ref(x, residual, weight, bias, eps)
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                   add: torch.Tensor | None = None) -> torch.Tensor:
+    """BERT's post-LayerNorm: layer_norm(x + residual) (or of x alone when residual is None).
+    `add`, a [H] vector (the bias of a product that accumulated onto its residual in place,
+    `RowParallelLinear.forward_onto`), is added to every row first, the sum rounded to x's dtype."""
+    if bias is not None and _triton_applies(x, weight, residual, bias) and (add is None or _vector_ok(add, x)):
+        return add_layer_norm_triton(x, residual, weight, bias, eps, add)
+    return add_layer_norm_ref(x, residual, weight, bias, eps, add)
+
+
+def _vector_ok(v: torch.Tensor, x: torch.Tensor) -> bool:
+    return v.device == x.device and v.dtype in _FLOAT_DTYPES and v.shape == (x.shape[-1],) and v.stride(0) == 1
 
 
 def _triton_applies(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> bool:
@@ -151,9 +161,11 @@ def add_rms_norm_triton(x: torch.Tensor | SplitKPartials, residual: torch.Tensor
     return _launch_rms_norm(x, residual, weight, eps)
 
 
-def add_layer_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+def add_layer_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                          add: torch.Tensor | None = None) -> torch.Tensor:
     _check_rows(x, residual, weight)
     assert bias.shape == weight.shape and bias.stride(0) == 1, f"bias {tuple(bias.shape)} must match weight {tuple(weight.shape)}"
+    assert add is None or (add.shape == weight.shape and add.stride(0) == 1), f"add {tuple(add.shape)} must match weight {tuple(weight.shape)}"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return out
@@ -161,9 +173,9 @@ def add_layer_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight
     num_rows, num_heads, n_cols = _rows(x)
     block_rows, block_cols, num_warps = _row_blocking(n_cols, layer_norm=True)
     _layer_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
-        x, res, weight, bias, out,
+        x, res, weight, bias, weight if add is None else add, out,
         num_rows, num_heads, *_row_strides(x), *_row_strides(res), n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, HAS_ADD=add is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
         **pdl.launch_args(x),
     )
     return out
@@ -355,12 +367,16 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, b_ptr,
 
 
 @_jit
-def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr,
+def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, add_ptr, out_ptr,
                        num_rows, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
-                       HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr):
+                       HAS_RESIDUAL: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                       PDL: tl.constexpr):
     pdl.pdl_wait(PDL)
     rows, cols, col_ok, mask, out_offs = _row_tile(num_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     x = _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, HAS_RESIDUAL)
+    if HAS_ADD:  # rounded to x's dtype, as the residual's sum is
+        a = tl.load(add_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) + a[None, :]).to(x.dtype)  # masked columns stay 0
     x = x.to(tl.float32)
     # Two passes over registers (mean, then centred variance): as accurate as torch's Welford.
     mean = tl.sum(x, axis=1) / n_cols

@@ -14,6 +14,8 @@ shard of a checkpoint tensor into place, so the weight loader never needs to kno
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -131,9 +133,28 @@ class QKVParallelLinear(ColumnParallelLinear):
         _copy_checked(dst, loaded.chunk(self.tp_size, 0)[self.tp_rank] if self.tp_size > 1 else loaded)
 
 
+# `RowParallelLinear.forward_onto` from this many rows on (below it the skinny kernels, whose
+# epilogues add the bias, run these products); FLORIST_RESIDUAL_ONTO=0 turns it off.
+ONTO_MIN_ROWS = 4096
+ONTO_ENABLED = os.environ.get("FLORIST_RESIDUAL_ONTO", "1") != "0"
+
+
 class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(_divide(input_size, tp_size(), "input size"), output_size, bias, tp_dim=1)
+
+    def forward_onto(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """residual += x @ W^T in place, in the product's epilogue (cuBLAS with beta = 1), without
+        the bias: the caller adds it in the norm that reads the sum (`add_layer_norm(add=bias)`),
+        which then reads one tensor instead of the product and the residual. Returns the residual,
+        or None where it does not apply (tensor-parallel size > 1, not CUDA, fewer than
+        ONTO_MIN_ROWS rows, shapes or dtypes that do not line up): then call `forward`.
+        The residual is overwritten, so its caller must not need it afterwards."""
+        if not (ONTO_ENABLED and self.tp_size == 1 and x.is_cuda and x.dim() == 2 and x.shape[0] >= ONTO_MIN_ROWS
+                and residual.shape == (x.shape[0], self.weight.shape[0]) and residual.dtype == x.dtype == self.weight.dtype
+                and residual.is_contiguous()):
+            return None
+        return residual.addmm_(x, self.weight.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added on one rank only, so the all-reduce adds it exactly once.

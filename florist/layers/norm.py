@@ -34,5 +34,6 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return norms.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+        """layer_norm(x + residual + add); `add` is a [H] vector (a product's bias)."""
+        return norms.add_layer_norm(x, residual, self.weight, self.bias, self.eps, add)

@@ -55,10 +55,20 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
         q, k, v = self.qkv(x).split([self.q_size, self.q_size, self.q_size], dim=-1)
-        x = self.attn_norm(self.attn_out(self.attn(q, k, v, batch)), residual=x)
+        x = _project_add_norm(self.attn_out, self.attn(q, k, v, batch), x, self.attn_norm)
         # BERT's "gelu" is the exact one: the intermediate projection can apply it in its epilogue.
         h = self.intermediate.forward_gelu(x) if self.fused_gelu else self.act(self.intermediate(x))
-        return self.output_norm(self.output(h), residual=x)
+        return _project_add_norm(self.output, h, x, self.output_norm)
+
+
+def _project_add_norm(proj: RowParallelLinear, h: torch.Tensor, residual: torch.Tensor, norm: LayerNorm) -> torch.Tensor:
+    """norm(proj(h) + residual). For many rows the product accumulates onto the residual in place
+    and its bias joins in the norm, which then reads one tensor, not two (the residual is the
+    layer's input or its attention norm's output, read by nothing after this)."""
+    summed = proj.forward_onto(h, residual)
+    if summed is not None:
+        return norm(summed, add=proj.bias)
+    return norm(proj(h), residual=residual)
 
 
 class BertModel(nn.Module):

@@ -1,0 +1,102 @@
+"""BERT's o and down products accumulated onto their residual (`RowParallelLinear.forward_onto`)
+with the bias added in the LayerNorm that follows (`add_layer_norm(add=...)`): the same layer
+output as the product, the residual add and the norm apart."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import florist
+from florist.engine.batch import HostBatch, to_device
+from florist.layers import linear
+from florist.layers.linear import RowParallelLinear
+from florist.layers.norm import LayerNorm
+from florist.models.bert import _project_add_norm
+
+
+def _layer_parts(dtype=torch.float32, device="cpu", rows=8, hidden=48, inner=80, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    proj = RowParallelLinear(inner, hidden, bias=True)
+    norm = LayerNorm(hidden, 1e-12)
+    with torch.no_grad():
+        for p in (proj.weight, proj.bias, norm.weight, norm.bias):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    proj, norm = proj.to(device, dtype), norm.to(device, dtype)
+    h = torch.randn(rows, inner, generator=gen).to(device, dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(device, dtype)
+    return proj, norm, h, residual
+
+
+def test_layer_norm_adds_the_vector_before_normalising():
+    _, norm, _, x = _layer_parts()
+    add = torch.randn(x.shape[1]) * 3
+    expected = F.layer_norm(x + add, (x.shape[1],), norm.weight, norm.bias, norm.eps)
+    torch.testing.assert_close(norm(x, add=add), expected)
+    assert not torch.allclose(norm(x), expected, atol=1e-2)
+
+
+def test_off_the_gpu_the_product_and_the_residual_stay_apart():
+    proj, norm, h, residual = _layer_parts()
+    kept = residual.clone()
+    assert proj.forward_onto(h, residual) is None
+    out = _project_add_norm(proj, h, residual, norm)
+    torch.testing.assert_close(residual, kept)  # not written
+    torch.testing.assert_close(out, F.layer_norm(F.linear(h, proj.weight, proj.bias) + kept, (kept.shape[1],),
+                                                 norm.weight, norm.bias, norm.eps))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_onto_the_residual_matches_the_product_apart(dtype, monkeypatch):
+    rows = linear.ONTO_MIN_ROWS + 37
+    proj, norm, h, residual = _layer_parts(dtype, "cuda", rows=rows, hidden=384, inner=1536)
+    monkeypatch.setattr(linear, "ONTO_ENABLED", False)
+    apart = _project_add_norm(proj, h, residual.clone(), norm)
+    monkeypatch.setattr(linear, "ONTO_ENABLED", True)
+    onto_residual = residual.clone()
+    onto = _project_add_norm(proj, h, onto_residual, norm)
+    # the path ran: the residual now holds residual + h W^T (no bias)
+    torch.testing.assert_close(onto_residual.float(), residual.float() + h.float() @ proj.weight.float().t(), atol=0.5, rtol=2e-2)
+    ref = F.layer_norm(F.linear(h.float(), proj.weight.float(), proj.bias.float()) + residual.float(), (384,),
+                       norm.weight.float(), norm.bias.float(), norm.eps)
+    # both round the sum once to the working dtype: equally far from the fp32 reference
+    err_onto, err_apart = (onto.float() - ref).abs().max().item(), (apart.float() - ref).abs().max().item()
+    assert err_onto <= 2 * err_apart + 1e-3, (err_onto, err_apart)
+    cos = F.cosine_similarity(onto.float(), apart.float(), dim=1).min().item()
+    assert cos > 0.9999, cos
+    # below the row bound the product keeps its bias epilogue and the residual is left alone
+    small = residual[:64].clone()
+    assert proj.forward_onto(h[:64], small) is None
+    torch.testing.assert_close(small, residual[:64])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_a_bert_batch_embeds_the_same_onto_the_residual(bert_dir, monkeypatch):
+    """A batch of > ONTO_MIN_ROWS tokens through the whole model, eagerly, with and without."""
+    engine = florist.Engine.from_pretrained(bert_dir, device="cuda")
+    rng = np.random.default_rng(3)
+    host = HostBatch.from_sequences([rng.integers(5, engine.info.vocab_size, size=n) for n in rng.integers(40, 64, size=110)])
+    assert host.num_tokens >= linear.ONTO_MIN_ROWS
+    batch = to_device(host, torch.device("cuda"))
+    calls = []
+    onto = RowParallelLinear.forward_onto
+
+    def spy(self, x, residual):
+        out = onto(self, x, residual)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(RowParallelLinear, "forward_onto", spy)
+    outs = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(linear, "ONTO_ENABLED", enabled)
+        calls.clear()
+        outs[enabled] = engine.runner.forward(batch).float()
+        assert calls and all(c == enabled for c in calls), calls
+    cos = F.cosine_similarity(outs[True], outs[False], dim=1).min().item()
+    assert cos > 0.9999, cos
