@@ -133,6 +133,15 @@ def _build_cases():
         cases[f"{name}-causal-packed-groups"] = _case(dtype, [1, 7, 33, 100], 4, 2, 32, True, pad=5, launch=dict(pack_groups=True))
         cases[f"{name}-bidir-packed-groups-4"] = _case(dtype, [7, 33, 0], 8, 2, 24, False, pad=3, launch=dict(pack_groups=True, blocks=(16, 32)))
     cases["fp16-packed-groups-nan-inf-padding"] = _case(torch.float16, [7, 33], 4, 2, 32, True, pad=9, nonfinite=True, launch=dict(pack_groups=True))
+    # The lean key loop (launch_config's choice for narrow heads in large batches: the scale in the
+    # exponent's multiply-add, bidirectional masks on partial tiles only): sequences of whole and
+    # partial tiles, empty slots, padding, NaN / inf garbage, large scores and grouped heads.
+    lean = dict(blocks=(128, 64), num_warps=4, num_stages=3, lean=True)
+    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        cases[f"{name}-bidir-tiles-128x64-lean"] = _case(dtype, [7, 33, 130, 100, 0], 2, 2, 32, False, pad=3, launch=lean)
+        cases[f"{name}-causal-lean"] = _case(dtype, [1, 7, 33, 100], 4, 2, 32, True, pad=5, launch=dict(lean=True))
+        cases[f"{name}-nan-inf-padding-lean"] = _case(dtype, [7, 33], 4, 2, 32, False, pad=9, nonfinite=True, launch=lean)
+        cases[f"{name}-large-scores-lean"] = _case(dtype, [100, 64], 2, 2, 64, False, scale=8.0, launch=lean)
     return cases
 
 
@@ -308,7 +317,9 @@ def test_launch_config_follows_the_sweep():
     # narrow heads (MiniLM): 64 x 128 tiles, 128 x 64 for batches of >= 4,096 tokens of sequences of >= 128
     assert short.launch_config(512, 32, 1) == dict(blocks=(64, 128), num_warps=4, num_stages=3, pack_groups=False)
     assert short.launch_config(20, 32, 1)["blocks"] == (32, 32)
-    assert short.launch_config(256, 32, 1, 25600, 128) == dict(blocks=(128, 64), num_warps=4, num_stages=3, pack_groups=False)
+    assert short.launch_config(256, 32, 1, 25600, 128) == dict(blocks=(128, 64), num_warps=4, num_stages=3, pack_groups=False,
+                                                               lean=short.LEAN_ENABLED)
+    assert "lean" not in short.launch_config(256, 32, 1, 2048, 16)  # only the large batches' tiles were measured with it
     assert short.launch_config(128, 32, 1, 4096, 64)["blocks"] == (128, 64)
     assert short.launch_config(256, 32, 1, 2048, 16)["blocks"] == (64, 128)  # fewer tokens
     assert short.launch_config(64, 32, 1, 6400, 128)["blocks"] == (64, 64)  # shorter sequences

@@ -57,3 +57,17 @@ def online_softmax_step(s, v, m, l, acc, IEEE: tl.constexpr, GUARD_NEG_INF: tl.c
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l, acc
+
+
+@_jit
+def online_softmax_step_scaled(s, qk_scale, v, m, l, acc):
+    """`online_softmax_step` (fp16/bf16 values, a finite floor for m) on raw scores s, the base-2
+    scale applied in the exponent's multiply-add: max(s * c) = max(s) * c for c > 0, so
+    p = 2^(s * c - m_new) is one FFMA a score instead of a multiply and a subtraction. m and
+    m_new are in the scaled domain, as before; masked scores are -inf (-inf * c - m = -inf)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
