@@ -100,3 +100,66 @@ def test_a_bert_batch_embeds_the_same_onto_the_residual(bert_dir, monkeypatch):
         assert calls and all(c == enabled for c in calls), calls
     cos = F.cosine_similarity(outs[True], outs[False], dim=1).min().item()
     assert cos > 0.9999, cos
+
+
+def _rms_parts(device="cpu", rows=8, hidden=64, inner=96, seed=1, dtype=torch.float32):
+    from florist.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    proj, norm = RowParallelLinear(inner, hidden, bias=False), RMSNorm(hidden, 1e-6)
+    with torch.no_grad():
+        for p in (proj.weight, norm.weight):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    proj, norm = proj.to(device, dtype), norm.to(device, dtype)
+    h = torch.randn(rows, inner, generator=gen).to(device, dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(device, dtype)
+    return proj, norm, h, residual
+
+
+def test_qwen3_add_rms_norm_off_the_gpu_leaves_the_residual():
+    proj, norm, h, residual = _rms_parts(rows=linear.ONTO_RMS_MIN_ROWS)
+    kept = residual.clone()
+    normed, summed = proj.forward_add_norm(h, residual, norm)
+    torch.testing.assert_close(residual, kept)
+    torch.testing.assert_close(summed, F.linear(h, proj.weight) + kept)
+    torch.testing.assert_close(normed, norm(summed))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("rows", [linear.ONTO_RMS_MIN_ROWS, 5000])
+def test_qwen3_add_rms_norm_onto_the_residual(rows, monkeypatch):
+    """Qwen3's o / down + add + RMSNorm from ONTO_RMS_MIN_ROWS rows: the sum lands on the residual
+    (returned as the new residual), as close to fp32 as the two-tensor path."""
+    proj, norm, h, residual = _rms_parts("cuda", rows=rows, hidden=1024, inner=2048, dtype=torch.bfloat16)
+    monkeypatch.setattr(linear, "ONTO_ENABLED", False)
+    normed_apart, summed_apart = proj.forward_add_norm(h, residual.clone(), norm)
+    monkeypatch.setattr(linear, "ONTO_ENABLED", True)
+    onto_residual = residual.clone()
+    normed, summed = proj.forward_add_norm(h, onto_residual, norm)
+    assert summed.data_ptr() == onto_residual.data_ptr()  # the path ran: the sum is the residual, in place
+    ref_sum = h.float() @ proj.weight.float().t() + residual.float()
+    ref = ref_sum * torch.rsqrt(ref_sum.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
+    for got, apart, want in ((summed, summed_apart, ref_sum), (normed, normed_apart, ref)):
+        err, err_apart = (got.float() - want).abs().max().item(), (apart.float() - want).abs().max().item()
+        assert err <= 1.5 * err_apart + 1e-2, (err, err_apart)
+    few = linear.ONTO_RMS_MIN_ROWS - 1
+    below = residual[:few].clone()
+    proj.forward_add_norm(h[:few], below, norm)
+    torch.testing.assert_close(below, residual[:few])  # fewer rows: the residual is left alone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_a_qwen3_batch_embeds_the_same_onto_the_residual(qwen3_dir, monkeypatch):
+    engine = florist.Engine.from_pretrained(qwen3_dir, device="cuda")
+    rng = np.random.default_rng(5)
+    host = HostBatch.from_sequences([rng.integers(5, engine.info.vocab_size, size=n) for n in rng.integers(40, 64, size=20)])
+    assert host.num_tokens >= linear.ONTO_RMS_MIN_ROWS
+    batch = to_device(host, torch.device("cuda"))
+    outs = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(linear, "ONTO_ENABLED", enabled)
+        outs[enabled] = engine.runner.forward(batch).float()
+    cos = F.cosine_similarity(outs[True], outs[False], dim=1).min().item()
+    assert cos > 0.9999, cos

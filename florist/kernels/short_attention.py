@@ -245,7 +245,7 @@ def _short_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, num_tokens, qk
             s = s * qk_scale  # else the scale joins the exponent's multiply-add
         if MASK_TAIL:
             # No causal mask: only a sequence's last, partial tile has keys to hide. A uniform
-            # branch, so whole tiles skip the select (measured: "Attention backends", the lean loop).
+            # branch, so whole tiles skip the select (docs/benchmarks.md: "... and the lean key loop").
             if col0 + BLOCK_N > n:
                 s = tl.where(n_ok[None, :], s, float("-inf"))
         else:

@@ -134,8 +134,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 # `RowParallelLinear.forward_onto` from this many rows on (below it the skinny kernels, whose
-# epilogues add the bias, run these products); FLORIST_RESIDUAL_ONTO=0 turns it off.
+# epilogues add the bias, run these products): BERT's LayerNorm and, where cuBLAS runs Qwen3's
+# o and down products, its add + RMSNorm (`forward_add_norm`); FLORIST_RESIDUAL_ONTO=0 turns it off.
 ONTO_MIN_ROWS = 4096
+ONTO_RMS_MIN_ROWS = 512
 ONTO_ENABLED = os.environ.get("FLORIST_RESIDUAL_ONTO", "1") != "0"
 
 
@@ -143,14 +145,15 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(_divide(input_size, tp_size(), "input size"), output_size, bias, tp_dim=1)
 
-    def forward_onto(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+    def forward_onto(self, x: torch.Tensor, residual: torch.Tensor, min_rows: int | None = None) -> torch.Tensor | None:
         """residual += x @ W^T in place, in the product's epilogue (cuBLAS with beta = 1), without
         the bias: the caller adds it in the norm that reads the sum (`add_layer_norm(add=bias)`),
         which then reads one tensor instead of the product and the residual. Returns the residual,
         or None where it does not apply (tensor-parallel size > 1, not CUDA, fewer than
-        ONTO_MIN_ROWS rows, shapes or dtypes that do not line up): then call `forward`.
-        The residual is overwritten, so its caller must not need it afterwards."""
-        if not (ONTO_ENABLED and self.tp_size == 1 and x.is_cuda and x.dim() == 2 and x.shape[0] >= ONTO_MIN_ROWS
+        `min_rows` (default ONTO_MIN_ROWS) rows, shapes or dtypes that do not line up): then call
+        `forward`. The residual is overwritten, so its caller must not need it afterwards."""
+        min_rows = ONTO_MIN_ROWS if min_rows is None else min_rows
+        if not (ONTO_ENABLED and self.tp_size == 1 and x.is_cuda and x.dim() == 2 and x.shape[0] >= min_rows
                 and residual.shape == (x.shape[0], self.weight.shape[0]) and residual.dtype == x.dtype == self.weight.dtype
                 and residual.is_contiguous()):
             return None
@@ -171,12 +174,21 @@ class RowParallelLinear(LinearBase):
         return skinny_gemm.skinny_gemm(x, self.weight, self.bias, defer_reduce=True)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(self(x), residual) -> (normed, self(x) + residual), with the same bits as
-        `norm(self.forward_deferred(x), residual)`. At tensor-parallel size 1, for few rows on CUDA
-        (`skinny_gemm.fused_norm_applies`) the split-K product, the residual add and the norm are
-        one launch; elsewhere the product and the norm run apart."""
+        """norm(self(x), residual) -> (normed, self(x) + residual). At tensor-parallel size 1, for
+        few rows on CUDA (`skinny_gemm.fused_norm_applies`) the split-K product, the residual add
+        and the norm are one launch, with the same bits as `norm(self.forward_deferred(x),
+        residual)`; from ONTO_RMS_MIN_ROWS rows on CUDA (a product without bias) the product lands
+        on the residual in place (`forward_onto`: the sum rounded once, and `residual` is the
+        returned sum); elsewhere the product and the norm run apart."""
         if self.tp_size == 1:
             fused = skinny_gemm.skinny_gemm_add_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps)
             if fused is not None:
                 return fused
+            if self.bias is None:
+                # From ONTO_RMS_MIN_ROWS rows cuBLAS writes the sum over the residual (which the
+                # caller hands on as the new residual) and the norm reads it alone: two [T, H]
+                # passes instead of four (read product and residual, write sum and normed).
+                summed = self.forward_onto(x, residual, ONTO_RMS_MIN_ROWS)
+                if summed is not None:
+                    return norm(summed), summed
         return norm(self.forward_deferred(x), residual)
