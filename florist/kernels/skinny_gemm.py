@@ -235,6 +235,14 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return ENABLED and triton is not None and x.is_cuda and _supported(x, weight)
 
 
+def leaves_to_cublas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, defer_reduce: bool = False) -> bool:
+    """Whether `skinny_gemm` (no activation) would hand this product to F.linear (cuBLAS)."""
+    if not applies(x, weight):
+        return True
+    tma = _tma_fits(x, weight, bias, False, False)
+    return pick_config(x.shape[0], weight.shape[0], weight.shape[1], False, False, defer_reduce, tma) is None
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
                 gelu: bool = False, config: GemmConfig | None = None, defer_reduce: bool = False) -> torch.Tensor | SplitKPartials:
     """y = x @ weight.T (+ bias); with silu_mul, silu(y[:, :I]) * y[:, I:]; with gelu, exact

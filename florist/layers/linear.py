@@ -134,8 +134,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 # `RowParallelLinear.forward_onto` from this many rows on (below it the skinny kernels, whose
-# epilogues add the bias, run these products): BERT's LayerNorm and, where cuBLAS runs Qwen3's
-# o and down products, its add + RMSNorm (`forward_add_norm`); FLORIST_RESIDUAL_ONTO=0 turns it off.
+# epilogues add the bias, run these products): BERT's LayerNorm, and (ONTO_RMS_MIN_ROWS, where
+# cuBLAS runs the product) Qwen3's add + RMSNorm in `forward_add_norm`. Measured from 512 rows;
+# cuBLAS takes Qwen3's o and down from 257 on Hopper (below, the TMA products leave split-K
+# partials to the norm), a range not measured with it yet. FLORIST_RESIDUAL_ONTO=0 turns it off.
 ONTO_MIN_ROWS = 4096
 ONTO_RMS_MIN_ROWS = 512
 ONTO_ENABLED = os.environ.get("FLORIST_RESIDUAL_ONTO", "1") != "0"
@@ -177,15 +179,15 @@ class RowParallelLinear(LinearBase):
         """norm(self(x), residual) -> (normed, self(x) + residual). At tensor-parallel size 1, for
         few rows on CUDA (`skinny_gemm.fused_norm_applies`) the split-K product, the residual add
         and the norm are one launch, with the same bits as `norm(self.forward_deferred(x),
-        residual)`; from ONTO_RMS_MIN_ROWS rows on CUDA (a product without bias) the product lands
-        on the residual in place (`forward_onto`: the sum rounded once, and `residual` is the
-        returned sum); elsewhere the product and the norm run apart."""
+        residual)`; from ONTO_RMS_MIN_ROWS rows, where cuBLAS runs a product without bias on CUDA,
+        it lands on the residual in place (`forward_onto`: the sum rounded once; the returned sum is `residual` itself);
+        elsewhere the product and the norm run apart."""
         if self.tp_size == 1:
             fused = skinny_gemm.skinny_gemm_add_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps)
             if fused is not None:
                 return fused
-            if self.bias is None:
-                # From ONTO_RMS_MIN_ROWS rows cuBLAS writes the sum over the residual (which the
+            if self.bias is None and skinny_gemm.leaves_to_cublas(x, self.weight, defer_reduce=True):
+                # Where cuBLAS runs the product it writes the sum over the residual (which the
                 # caller hands on as the new residual) and the norm reads it alone: two [T, H]
                 # passes instead of four (read product and residual, write sum and normed).
                 summed = self.forward_onto(x, residual, ONTO_RMS_MIN_ROWS)
