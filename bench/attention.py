@@ -14,7 +14,9 @@ which for microsecond kernels mostly measures the host's launch cost):
 longer ones with the geometry's masking (Qwen3 causal, MiniLM bidirectional), each configuration
 checked against varlen first, cuDNN and varlen timed beside them:
 
-    python bench/attention.py --sweep [--geometry minilm-l6] [--masking bidirectional] [--json FILE] [--shapes "1 x 128,100 x 256"]
+    python bench/attention.py --sweep [--geometry minilm-l6] [--masking bidirectional] [--json FILE] [--shapes "1 x 128,100 x 256"] [--lean both]
+
+(`--lean both` times each configuration with the lean key loop and the plain one.)
 
 --buckets times varlen against the kernel as `launch_config` picks it on batches of several
 sequences laid out as the engine's CUDA graphs run them (a bucket's padding in a dummy sequence,
@@ -135,6 +137,9 @@ def main():
     ap.add_argument("--block-m", type=int, nargs="+", default=[16, 32, 64, 128], help="with --sweep: query tile rows to try (default 16 32 64 128)")
     ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128], help="with --sweep: key tile rows to try (default 32 64 128)")
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="with --sweep: warps a program to try (default 4 8)")
+    ap.add_argument("--lean", choices=sorted(LEAN_CHOICES), default="pick",
+                    help="with --sweep: the key loop of each configuration: as launch_config picks it for the shape (default), "
+                         "the lean loop (scale in the exponent's FMA, bidirectional masks on partial tiles only), the plain one, or both")
     ap.add_argument("--shapes", default="", help="with --sweep: a comma list of the shapes to sweep (default: all), e.g. '1 x 128,100 x 256'")
     ap.add_argument("--masking", choices=("causal", "bidirectional"),
                     help="with --sweep: the masking to sweep (default: the geometry's own, Qwen3 causal, MiniLM bidirectional; "
@@ -200,12 +205,23 @@ SWEEP_SHAPES = [("1 x 64", [64]), ("1 x 128", [128]), ("1 x 256", [256]), ("1 x 
 SWEEP_CAUSAL = {"qwen3-0.6b": True, "minilm-l6": False}
 
 
+LEAN_CHOICES = {"pick": (None,), "on": (True,), "off": (False,), "both": (False, True)}
+
+
+def sweep_configs(args, hq: int, hkv: int) -> list[tuple]:
+    """(BLOCK_M, BLOCK_N, warps, stages, pack_groups, lean) to time: lean None is the key loop
+    `launch_config` picks for the shape (the lean loop for narrow heads' batch tiles)."""
+    import itertools
+
+    packs = (False, True) if hq != hkv else (False,)
+    return list(itertools.product(args.block_m, args.block_n, args.warps, (1, 2, 3), packs, LEAN_CHOICES[args.lean]))
+
+
 def sweep(args) -> None:
-    """Every (BLOCK_M, BLOCK_N, warps, stages, pack_groups) that fits the shape, with the
+    """Every (BLOCK_M, BLOCK_N, warps, stages, pack_groups, lean) that fits the shape, with the
     geometry's own masking, each checked against varlen first; per shape the default's time, the
     fastest configuration, and cuDNN's SDPA (one sequence) and varlen beside them. `--json PATH`
     keeps every configuration's time. (~100 configurations compile: a few minutes.)"""
-    import itertools
     import json
 
     from florist.kernels import short_attention as sa
@@ -215,8 +231,7 @@ def sweep(args) -> None:
     dev = torch.device("cuda")
     varlen = select_backend("varlen", dev)
     cudnn = sdpa_batched("cudnn", hq, hkv, d)
-    packs = (False, True) if hq != hkv else (False,)
-    configs = list(itertools.product(args.block_m, args.block_n, args.warps, (1, 2, 3), packs))
+    configs = sweep_configs(args, hq, hkv)
     print(f"{args.geometry}, {str(dtype).removeprefix('torch.')}, {'causal' if causal else 'bidirectional'}, "
           f"us per call ({'eager' if args.eager else 'CUDA graph'})")
     table, lines = {}, []
@@ -235,8 +250,8 @@ def sweep(args) -> None:
         def run(cfg=None):
             if cfg is None:
                 return sa.short_attention_triton(q, k, v, batch.cu_seqlens, max_len, causal, d**-0.5)
-            bm, bn, warps, stages, pack = cfg
-            return sa.short_attention_triton(q, k, v, batch.cu_seqlens, max_len, causal, d**-0.5, (bm, bn), warps, stages, pack)
+            bm, bn, warps, stages, pack, lean = cfg
+            return sa.short_attention_triton(q, k, v, batch.cu_seqlens, max_len, causal, d**-0.5, (bm, bn), warps, stages, pack, lean)
 
         default = timed(run, graph=not args.eager) * 1e3
         others = {"varlen": timed(lambda: varlen(q, k, v, batch, causal, d**-0.5), graph=not args.eager) * 1e3}
@@ -259,7 +274,7 @@ def sweep(args) -> None:
         top = ", ".join(f"{c} {us:.2f}" for c, us in ranked[:3])
         lines.append(f"{label:18s} {default:9.2f} {others.get('cudnn', float('nan')):9.2f} {others['varlen']:9.2f}   {top}")
         print(lines[-1], flush=True)
-    print(f"\n{'shape':18s} {'default':>9s} {'cudnn':>9s} {'varlen':>9s}   fastest (BLOCK_M, BLOCK_N, warps, stages, pack_groups) us")
+    print(f"\n{'shape':18s} {'default':>9s} {'cudnn':>9s} {'varlen':>9s}   fastest (BLOCK_M, BLOCK_N, warps, stages, pack_groups, lean) us")
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({"geometry": args.geometry, "causal": causal, "shapes": table}, indent=1))
@@ -317,7 +332,7 @@ def buckets(args) -> None:
             tf = timed_flex(flex, q, k, v, batch, causal, d**-0.5, ref, label) if args.flex else float("nan")
             seqs = batch.cu_seqlens.shape[0] - 1
             cfg = sa.launch_config(batch.max_seqlen, d, hq // hkv, t, seqs)
-            tiles = f"{cfg['blocks'][0]} x {cfg['blocks'][1]}{', packed' if cfg['pack_groups'] else ''}"
+            tiles = f"{cfg['blocks'][0]} x {cfg['blocks'][1]}{', packed' if cfg['pack_groups'] else ''}{', lean' if cfg.get('lean') else ''}"
             choice = auto_choice(batch, t, causal, True, hq * d)
             print(f"{'causal' if causal else 'bidirectional':13s} {label:18s} {t:7d} {seqs:5d} {batch.max_seqlen:7d} {tv:8.2f} {tk:8.2f} "
                   f"{tv / tk:12.2f}x  {choice:7s} {tiles}" + (f"  {tf:8.2f}" if args.flex else ""), flush=True)

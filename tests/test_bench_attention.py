@@ -42,3 +42,16 @@ def test_sweep_grid_options_parse():
     assert out.returncode == 1 and "needs a CUDA GPU" in out.stderr, out.stderr[-2000:]
     out = run_bench("attention.py", "--sweep", "--block-m", "x", timeout=120)
     assert out.returncode == 2 and "--block-m" in out.stderr
+
+
+def test_sweep_configs_take_the_key_loop_choice():
+    import argparse
+
+    args = argparse.Namespace(block_m=[64, 128], block_n=[64], warps=[4], lean="pick")
+    configs = bench_attention.sweep_configs(args, 12, 12)
+    assert len(configs) == 2 * 3 and {c[5] for c in configs} == {None} and {c[4] for c in configs} == {False}
+    args.lean = "both"
+    configs = bench_attention.sweep_configs(args, 16, 8)  # grouped heads: packed and not
+    assert len(configs) == 2 * 3 * 2 * 2 and {c[5] for c in configs} == {False, True}
+    out = run_bench("attention.py", "--sweep", "--lean", "sometimes", timeout=120)
+    assert out.returncode == 2 and "--lean" in out.stderr
