@@ -181,3 +181,20 @@ def test_a_qwen3_batch_embeds_the_same_onto_the_residual(qwen3_dir, monkeypatch)
         assert calls and all(c == enabled for c in calls), calls  # o and down of every layer
     cos = F.cosine_similarity(outs[True], outs[False], dim=1).min().item()
     assert cos > 0.9999, cos
+
+
+def test_the_qwen3_bound_moves_with_its_environment_variable():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def bound(value: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "FLORIST_RESIDUAL_ONTO_RMS_MIN_ROWS": value}
+        return subprocess.run([sys.executable, "-c", "from florist.layers import linear; print(linear.ONTO_RMS_MIN_ROWS)"],
+                              check=False, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=120)
+
+    proc = bound("257")
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "257", proc.stderr[-2000:]
+    bad = bound("some")
+    assert bad.returncode != 0 and "FLORIST_RESIDUAL_ONTO_RMS_MIN_ROWS" in bad.stderr, bad.stderr[-2000:]

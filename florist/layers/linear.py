@@ -19,6 +19,7 @@ import os
 import torch
 from torch import nn
 
+from florist.config import int_from_env
 from florist.distributed import all_reduce, tp_rank, tp_size
 from florist.kernels import skinny_gemm, wide_gemm
 from florist.kernels.split_k import SplitKPartials
@@ -137,9 +138,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 # epilogues add the bias, run these products): BERT's LayerNorm, and (ONTO_RMS_MIN_ROWS, where
 # cuBLAS runs the product) Qwen3's add + RMSNorm in `forward_add_norm`. Measured from 512 rows;
 # cuBLAS takes Qwen3's o and down from 257 on Hopper (below, the TMA products leave split-K
-# partials to the norm), a range not measured with it yet. FLORIST_RESIDUAL_ONTO=0 turns it off.
+# partials to the norm), a range not measured with it yet. FLORIST_RESIDUAL_ONTO=0 turns it off;
+# FLORIST_RESIDUAL_ONTO_RMS_MIN_ROWS moves Qwen3's bound (for A/B runs).
 ONTO_MIN_ROWS = 4096
-ONTO_RMS_MIN_ROWS = 512
+ONTO_RMS_MIN_ROWS = int_from_env("FLORIST_RESIDUAL_ONTO_RMS_MIN_ROWS", 512)
 ONTO_ENABLED = os.environ.get("FLORIST_RESIDUAL_ONTO", "1") != "0"
 
 
