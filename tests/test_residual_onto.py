@@ -1,6 +1,7 @@
-"""BERT's o and down products accumulated onto their residual (`RowParallelLinear.forward_onto`)
-with the bias added in the LayerNorm that follows (`add_layer_norm(add=...)`): the same layer
-output as the product, the residual add and the norm apart."""
+"""o and down products accumulated onto their residual (`RowParallelLinear.forward_onto`): BERT's,
+with the bias added in the LayerNorm that follows (`add_layer_norm(add=...)`), and Qwen3's, with
+the RMSNorm reading the sum alone (`forward_add_norm`): the same outputs as the product, the
+residual add and the norm apart."""
 
 from __future__ import annotations
 
@@ -14,21 +15,53 @@ from florist.engine.batch import HostBatch, to_device
 from florist.kernels import skinny_gemm
 from florist.layers import linear
 from florist.layers.linear import RowParallelLinear
-from florist.layers.norm import LayerNorm
+from florist.layers.norm import LayerNorm, RMSNorm
 from florist.models.bert import _project_add_norm
 
 
-def _layer_parts(dtype=torch.float32, device="cpu", rows=8, hidden=48, inner=80, seed=0):
+def _parts(norm, bias: bool, dtype=torch.float32, device="cpu", rows=8, hidden=48, inner=80, seed=0):
+    """A product (random weights, with or without bias), the norm after it (random weights), its
+    input h and a residual."""
     gen = torch.Generator().manual_seed(seed)
-    proj = RowParallelLinear(inner, hidden, bias=True)
-    norm = LayerNorm(hidden, 1e-12)
+    proj = RowParallelLinear(inner, hidden, bias=bias)
     with torch.no_grad():
-        for p in (proj.weight, proj.bias, norm.weight, norm.bias):
+        for p in (*proj.parameters(), *norm.parameters()):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
     proj, norm = proj.to(device, dtype), norm.to(device, dtype)
     h = torch.randn(rows, inner, generator=gen).to(device, dtype)
     residual = torch.randn(rows, hidden, generator=gen).to(device, dtype)
     return proj, norm, h, residual
+
+
+def _layer_parts(dtype=torch.float32, device="cpu", rows=8, hidden=48, inner=80):
+    return _parts(LayerNorm(hidden, 1e-12), True, dtype, device, rows, hidden, inner, seed=0)
+
+
+def _rms_parts(device="cpu", rows=8, hidden=64, inner=96, dtype=torch.float32):
+    return _parts(RMSNorm(hidden, 1e-6), False, dtype, device, rows, hidden, inner, seed=1)
+
+
+def _embeds_the_same_either_way(engine, host: HostBatch, monkeypatch) -> None:
+    """The whole model eagerly, with and without the residual path: every o and down product takes
+    the setting's path, and the outputs agree (cosine > 0.9999)."""
+    batch = to_device(host, torch.device("cuda"))
+    calls = []
+    onto = RowParallelLinear.forward_onto
+
+    def spy(self, x, residual, min_rows=None):
+        out = onto(self, x, residual, min_rows)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(RowParallelLinear, "forward_onto", spy)
+    outs = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(linear, "ONTO_ENABLED", enabled)
+        calls.clear()
+        outs[enabled] = engine.runner.forward(batch).float()
+        assert calls and all(c == enabled for c in calls), calls
+    cos = F.cosine_similarity(outs[True], outs[False], dim=1).min().item()
+    assert cos > 0.9999, cos
 
 
 def test_layer_norm_adds_the_vector_before_normalising():
@@ -83,38 +116,7 @@ def test_a_bert_batch_embeds_the_same_onto_the_residual(bert_dir, monkeypatch):
     rng = np.random.default_rng(3)
     host = HostBatch.from_sequences([rng.integers(5, engine.info.vocab_size, size=n) for n in rng.integers(40, 64, size=110)])
     assert host.num_tokens >= linear.ONTO_MIN_ROWS
-    batch = to_device(host, torch.device("cuda"))
-    calls = []
-    onto = RowParallelLinear.forward_onto
-
-    def spy(self, x, residual):
-        out = onto(self, x, residual)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(RowParallelLinear, "forward_onto", spy)
-    outs = {}
-    for enabled in (False, True):
-        monkeypatch.setattr(linear, "ONTO_ENABLED", enabled)
-        calls.clear()
-        outs[enabled] = engine.runner.forward(batch).float()
-        assert calls and all(c == enabled for c in calls), calls
-    cos = F.cosine_similarity(outs[True], outs[False], dim=1).min().item()
-    assert cos > 0.9999, cos
-
-
-def _rms_parts(device="cpu", rows=8, hidden=64, inner=96, seed=1, dtype=torch.float32):
-    from florist.layers.norm import RMSNorm
-
-    gen = torch.Generator().manual_seed(seed)
-    proj, norm = RowParallelLinear(inner, hidden, bias=False), RMSNorm(hidden, 1e-6)
-    with torch.no_grad():
-        for p in (proj.weight, norm.weight):
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    proj, norm = proj.to(device, dtype), norm.to(device, dtype)
-    h = torch.randn(rows, inner, generator=gen).to(device, dtype)
-    residual = torch.randn(rows, hidden, generator=gen).to(device, dtype)
-    return proj, norm, h, residual
+    _embeds_the_same_either_way(engine, host, monkeypatch)
 
 
 def test_off_the_gpu_every_product_is_left_to_torch():
@@ -163,24 +165,7 @@ def test_a_qwen3_batch_embeds_the_same_onto_the_residual(qwen3_dir, monkeypatch)
     rng = np.random.default_rng(5)
     host = HostBatch.from_sequences([rng.integers(5, engine.info.vocab_size, size=n) for n in rng.integers(40, 64, size=20)])
     assert host.num_tokens >= 512
-    batch = to_device(host, torch.device("cuda"))
-    calls = []
-    onto = RowParallelLinear.forward_onto
-
-    def spy(self, x, residual, min_rows=None):
-        out = onto(self, x, residual, min_rows)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(RowParallelLinear, "forward_onto", spy)
-    outs = {}
-    for enabled in (False, True):
-        monkeypatch.setattr(linear, "ONTO_ENABLED", enabled)
-        calls.clear()
-        outs[enabled] = engine.runner.forward(batch).float()
-        assert calls and all(c == enabled for c in calls), calls  # o and down of every layer
-    cos = F.cosine_similarity(outs[True], outs[False], dim=1).min().item()
-    assert cos > 0.9999, cos
+    _embeds_the_same_either_way(engine, host, monkeypatch)
 
 
 def test_the_qwen3_bound_moves_with_its_environment_variable():

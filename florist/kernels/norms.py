@@ -111,13 +111,10 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     """BERT's post-LayerNorm: layer_norm(x + residual) (or of x alone when residual is None).
     `add`, a [H] vector (the bias of a product that accumulated onto its residual in place,
     `RowParallelLinear.forward_onto`), is added to every row first, the sum rounded to x's dtype."""
-    if bias is not None and _triton_applies(x, weight, residual, bias) and (add is None or _vector_ok(add, x)):
+    # the added vector is checked like the weight (shape, dtype, stride, device)
+    if bias is not None and _triton_applies(x, weight, residual, bias) and (add is None or _triton_applies(x, add)):
         return add_layer_norm_triton(x, residual, weight, bias, eps, add)
     return add_layer_norm_ref(x, residual, weight, bias, eps, add)
-
-
-def _vector_ok(v: torch.Tensor, x: torch.Tensor) -> bool:
-    return v.device == x.device and v.dtype in _FLOAT_DTYPES and v.shape == (x.shape[-1],) and v.stride(0) == 1
 
 
 def _triton_applies(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> bool:

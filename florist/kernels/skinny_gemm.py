@@ -235,12 +235,16 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return ENABLED and triton is not None and x.is_cuda and _supported(x, weight)
 
 
+def _picked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, gelu: bool,
+            defer_reduce: bool) -> GemmConfig | None:
+    """`skinny_gemm`'s choice once `applies` holds: a kernel configuration, or None for F.linear."""
+    tma = _tma_fits(x, weight, bias, silu_mul, gelu)
+    return pick_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul, gelu, defer_reduce, tma)
+
+
 def leaves_to_cublas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, defer_reduce: bool = False) -> bool:
     """Whether `skinny_gemm` (no activation) would hand this product to F.linear (cuBLAS)."""
-    if not applies(x, weight):
-        return True
-    tma = _tma_fits(x, weight, bias, False, False)
-    return pick_config(x.shape[0], weight.shape[0], weight.shape[1], False, False, defer_reduce, tma) is None
+    return not applies(x, weight) or _picked(x, weight, bias, False, False, defer_reduce) is None
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
@@ -252,8 +256,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     op sums them); every other product returns the tensor as usual."""
     if applies(x, weight):
         if config is None:
-            tma = _tma_fits(x, weight, bias, silu_mul, gelu)
-            config = pick_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul, gelu, defer_reduce, tma)
+            config = _picked(x, weight, bias, silu_mul, gelu, defer_reduce)
         if config is not None and config.tma:
             return tma_gemm(x, weight, silu_mul, config, defer_reduce)
         if config is not None:
