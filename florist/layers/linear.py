@@ -138,7 +138,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 # epilogues add the bias, run these products): BERT's LayerNorm, and (ONTO_RMS_MIN_ROWS, where
 # cuBLAS runs the product) Qwen3's add + RMSNorm in `forward_add_norm`. Measured from 512 rows;
 # cuBLAS takes Qwen3's o and down from 257 on Hopper (below, the TMA products leave split-K
-# partials to the norm), a range not measured with it yet. FLORIST_RESIDUAL_ONTO=0 turns it off;
+# partials to the norm), where a bound of 257 moved the step by less than the spread
+# (docs/benchmarks.md, "257-511 rows"), so 512 stays. FLORIST_RESIDUAL_ONTO=0 turns it off;
 # FLORIST_RESIDUAL_ONTO_RMS_MIN_ROWS moves Qwen3's bound (for A/B runs).
 ONTO_MIN_ROWS = 4096
 ONTO_RMS_MIN_ROWS = int_from_env("FLORIST_RESIDUAL_ONTO_RMS_MIN_ROWS", 512)
