@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--prompt-name", default=None, help="one of the model's prompts, e.g. query")
     p.add_argument("--dimensions", type=int, default=None, help="truncate to this many dimensions (matryoshka)")
-    p.add_argument("--encoding", default="float", choices=["float", "int8", "binary", "ubinary"])
+    p.add_argument("--encoding", default="float", choices=["float", "int8", "binary", "ubinary"], help="float32 (default), int8 (models that define it), or packed bits")
     p.add_argument("--truncate", action="store_true", help="cut over-long texts instead of failing")
 
 

@@ -144,6 +144,22 @@ def test_cli_encode(capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_every_cli_option_has_help():
+    """`florist <command> --help` explains every option and argument of every command."""
+    import argparse
+    import importlib
+
+    from florist.cli import COMMANDS
+
+    missing = []
+    for name, (module, _) in COMMANDS.items():
+        p = argparse.ArgumentParser(prog=f"florist {name}")
+        importlib.import_module(module).add_arguments(p)
+        missing += [f"{name} {'/'.join(a.option_strings) or a.dest}" for a in p._actions
+                    if not a.help and not isinstance(a, argparse._HelpAction)]
+    assert not missing, f"options without help: {missing}"
+
+
 def test_step_checks_ids_and_lengths_on_the_host(default_engine):
     from florist.engine.batch import HostBatch
 
