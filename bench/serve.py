@@ -20,6 +20,11 @@ the reranker is a sequence classifier (the ms-marco cross-encoder); it cannot re
 sentence-transformers < 4, so it runs from its own environment:
 
     python bench/serve.py --infinity "env PYTHONPATH=/opt/infinity python3" --out r/
+
+That Python must import infinity_emb and httptools (its server's HTTP parser), or the run stops at
+once, before anything starts. An Infinity that then fails to start or dies mid-run costs the run
+nothing else: its cells say why, and florist and the baseline are timed to the end.
+
 Latency is per request, warm-up excluded, as p50 / p90 / p99 / max ms with the number of
 requests; throughput is measured over the timed requests of all clients together.
 
@@ -283,6 +288,7 @@ class Proc:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
         self.url = self.banner = ""
+        self.start_error = ""  # why a server the run can do without did not start (Infinity)
 
     def wait_url(self, pattern: str, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
@@ -324,6 +330,7 @@ def infinity_versions(command: str) -> dict:
     """The packages Infinity runs on, as its own Python sees them; fails early when it cannot start."""
     code = ("import importlib.metadata as m, importlib.util as u, json\n"
             "assert u.find_spec('infinity_emb.cli'), 'infinity_emb.cli is not importable'\n"
+            "assert u.find_spec('httptools'), 'httptools is not importable (infinity-emb runs uvicorn with http=\"httptools\")'\n"
             "def v(p):\n try: return m.version(p)\n except m.PackageNotFoundError: return None\n"
             "print(json.dumps({p: v(p) for p in ('infinity-emb', 'transformers', 'sentence-transformers', 'torch', 'numpy')}))")
     out = subprocess.run([*shlex.split(command), "-c", code], capture_output=True, text=True, timeout=120)
@@ -360,8 +367,13 @@ def start_servers(model: dict, args) -> dict[str, Proc]:
             servers["baseline"].wait_url(r" on (http://[\d.]+:\d+)", 1800)
             wait_health(servers["baseline"], 300)
         if "infinity" in servers:
-            servers["infinity"].wait_url(r"Uvicorn running on (http://[\d.]+:\d+)", 1800)
-            wait_health(servers["infinity"], 300)
+            try:
+                servers["infinity"].wait_url(r"Uvicorn running on (http://[\d.]+:\d+)", 1800)
+                wait_health(servers["infinity"], 300)
+            except RuntimeError as e:  # the run goes on without it, as when it dies mid-run
+                servers["infinity"].stop()
+                servers["infinity"].start_error = f"did not start (exit {servers['infinity'].proc.poll()})"
+                print(f"NOTE: {e}\nNOTE: infinity {servers['infinity'].start_error}: the run goes on without it", flush=True)
             servers["infinity"].banner = f"infinity: {' '.join(command[len(shlex.split(args.infinity)):])}"
     except BaseException:
         for server in servers.values():
@@ -914,7 +926,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             servers = start_servers(model, args)
             try:
-                running = [s for s in SERVERS if s in servers]
+                for s, server in servers.items():
+                    if server.start_error:
+                        for c in cells:
+                            if s not in c.sits_out and not c.skipped:
+                                c.failed[s] = f"not run: {s} {server.start_error}"
+                running = [s for s in SERVERS if s in servers and not servers[s].start_error]
                 urls = {s: servers[s].url for s in running}
                 meta["servers"][task] = {s: servers[s].banner for s in running}
                 print(f"{task} model {model['path'].name}:" + "".join(f"\n  {servers[s].banner}" for s in running), flush=True)

@@ -224,6 +224,36 @@ def test_infinity_failing_the_check_is_not_timed(tmp_path):
     assert all(r["failed"]["infinity"].startswith("not timed: infinity did not answer") for r in rows)
 
 
+def test_infinity_that_does_not_start_is_reported_and_the_run_goes_on(tmp_path):
+    """Infinity (the stand-in) exits before its start-up line: the run says so with its output,
+    every cell it would have run says it did not start, and florist and the baseline are
+    checked and timed as usual (the run exits 0)."""
+    stand_in = ROOT / "tests" / "stand_ins"
+    stdout = run_serve_bench("--scenarios", "1", "--requests", "3", "--out", str(tmp_path),
+                             "--infinity", f"env STAND_IN_FAIL_START=1 PYTHONPATH={stand_in} {sys.executable}")
+    assert "stand-in: failing to start" in stdout and "NOTE: infinity did not start (exit 1): the run goes on without it" in stdout, stdout
+    assert re.search(r"check: min cosine, florist vs baseline over \d+ rows", stdout), stdout
+    assert "florist vs infinity" not in stdout
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["florist"]["n"] == 3 and r["baseline"]["n"] == 3 and "infinity" not in r
+        assert r["failed"] == {"infinity": "not run: infinity did not start (exit 1)"}
+
+
+def test_infinity_without_httptools_stops_the_run_before_anything_starts(tmp_path):
+    """Infinity's server needs httptools; a --infinity Python without it is refused at once with
+    the reason, before any model is built or server started."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "infinity_emb").symlink_to(ROOT / "tests" / "stand_ins" / "infinity_emb")
+    out = run_bench("serve.py", "--smoke", "--scenarios", "1", "--out", str(tmp_path / "out"),
+                    "--infinity", f"env PYTHONPATH={bare} {sys.executable}", timeout=120)
+    assert out.returncode != 0
+    assert "httptools is not importable" in out.stdout + out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "florist serve:" not in out.stdout
+
+
 def test_log_axes_label_two_and_five_and_start_a_decade_below_the_lowest_bar():
     sys.path.insert(0, str(ROOT / "bench"))
     import serve

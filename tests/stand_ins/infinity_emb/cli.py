@@ -4,7 +4,8 @@ Infinity's start-up line, /health at the root, POST {--url-prefix}/embeddings ta
 (token ids are refused with 422, as Infinity's request model refuses them) for an embedding
 model, and POST {--url-prefix}/rerank (Cohere's shape) for a sequence classifier, answered by
 bench/baseline_server.py's sentence-transformers handlers. With STAND_IN_EXIT_AFTER=N in its
-environment the process dies on its (N + 1)-th embedding request, as a server that crashes does.
+environment the process dies on its (N + 1)-th embedding request, as a server that crashes does;
+with STAND_IN_FAIL_START=1 it exits (code 1) before its start-up line, as one missing a package does.
 
     python -m infinity_emb.cli v2 --model-id DIR --engine torch --device cpu --dtype float32 \
         --host 127.0.0.1 --port PORT --url-prefix /v1
@@ -38,6 +39,9 @@ def main() -> int:
     v2.add_argument("--url-prefix", default="")
     args = p.parse_args()
 
+    if os.environ.get("STAND_IN_FAIL_START") == "1":
+        print("stand-in: failing to start", flush=True)
+        return 1
     from aiohttp import web
 
     device = f"{args.device}:{args.device_id}" if args.device_id else args.device
