@@ -4,6 +4,7 @@ check where two GPUs are visible."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -29,7 +30,10 @@ def test_smoke_runs_every_part(tmp_path):
     assert set(gen["runs"]) == {"1", "2"}
     assert gen["runs"]["2"]["tokens"] == gen["runs"]["1"]["tokens"], "fp32 on gloo: TP 2 must pick TP 1's tokens"
     assert gen["divergences"] == [] and "4 of 4 sequences identical" in out
-    assert all(r["decode_ms_per_token"] > 0 and r["repeat_equal"] for r in gen["runs"].values())
+    assert all(r["repeat_equal"] for r in gen["runs"].values()), {tp: r["repeat_equal"] for tp, r in gen["runs"].items()}
+    # decode ms/token is the difference of two medians of two timings; on a CPU shared with other tests
+    # it is noise (it can fall below zero), so the smoke run only asks that it was measured
+    assert all(math.isfinite(r["decode_ms_per_token"]) for r in gen["runs"].values())
     rep = result["replicas"]
     assert set(rep["runs"]) == {"1", "2"} and rep["min_cosine_vs_one_replica"] >= 0.999
     assert all(r["n"] == r["planned"] and r["items_per_s"] > 0 for r in rep["runs"].values())
