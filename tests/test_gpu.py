@@ -258,6 +258,7 @@ def test_a_capture_while_another_thread_queries_a_batch(qwen3_dir):
     import time
 
     engine = florist.Engine.from_pretrained(qwen3_dir, device="cuda")
+    graphs = engine.runner.graphs
     rng = np.random.default_rng(4)
     small = HostBatch.from_sequences([rng.integers(5, engine.info.vocab_size, size=50)])
     big = HostBatch.from_sequences([rng.integers(5, engine.info.vocab_size, size=250) for _ in range(64)])  # 16,000 tokens
@@ -276,19 +277,35 @@ def test_a_capture_while_another_thread_queries_a_batch(qwen3_dir):
         except Exception as e:  # noqa: BLE001  (reported below)
             errors.append(e)
 
+    # A small model's capture can finish inside one GIL switch interval, before the poller runs
+    # again: the captured forward waits (host only, up to 5 s) until the poller has queried from
+    # inside the capture.
+    capture = graphs.capture
+
+    def capture_while_polled(key, static_input, forward):
+        def forward_once_polled(x):
+            capturing.set()
+            deadline = time.monotonic() + 5
+            while polls["during"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return forward(x)
+        try:
+            return capture(key, static_input, forward_once_polled)
+        finally:
+            capturing.clear()
+
+    graphs.capture = capture_while_polled
     thread = threading.Thread(target=poller)
     thread.start()
-    time.sleep(0.01)
-    capturing.set()
     try:
         got = engine.step(small).numpy()  # the second sight: a capture
     finally:
-        capturing.clear()
         stop.set()
         thread.join(30)
+        del graphs.capture
     assert not errors, errors
-    assert polls["during"] > 0  # the queries overlapped the step that captured
-    assert engine.runner.graphs.stats()["graphs"] == 1
+    assert polls["during"] > 0  # the queries overlapped the capture
+    assert graphs.stats()["graphs"] == 1
     assert lazy.numpy().shape == (64, engine.info.dimensions)
     np.testing.assert_allclose(got, want, atol=1e-3, rtol=1e-3)
     np.testing.assert_allclose(engine.step(small).numpy(), got, atol=1e-6, rtol=1e-5)  # and it replays
