@@ -21,8 +21,8 @@ sentence-transformers < 4, so it runs from its own environment:
 
     python bench/serve.py --infinity "env PYTHONPATH=/opt/infinity python3" --out r/
 
-That Python must import infinity_emb and httptools (its server's HTTP parser), or the run stops at
-once, before anything starts. An Infinity that then fails to start or dies mid-run costs the run
+That Python must import infinity_emb, httptools (its server's HTTP parser) and orjson (its
+responses), or the run stops at once, before anything starts. An Infinity that then fails to start or dies mid-run costs the run
 nothing else: its cells say why, and florist and the baseline are timed to the end.
 
 Latency is per request, warm-up excluded, as p50 / p90 / p99 / max ms with the number of
@@ -63,7 +63,7 @@ between settings of a FLORIST_* variable:
 #   huggingface-hub==0.36.2 click==8.1.8 typer==0.12.5 rich==13.9.4 markdown-it-py==4.3.0 mdurl==0.1.2
 #   pygments==2.20.0 shellingham==1.5.4 posthog==7.91.1 backoff==2.2.1 distro==1.9.0
 #   python-dateutil==2.9.0.post0 six==1.17.0 prometheus-fastapi-instrumentator==8.1.0
-#   prometheus-client==0.26.0 httptools==0.9.0, and the baseline's fastapi group above
+#   prometheus-client==0.26.0 httptools==0.9.0 orjson==3.13.0, and the baseline's fastapi group above
 
 from __future__ import annotations
 
@@ -85,6 +85,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -330,7 +331,10 @@ def infinity_versions(command: str) -> dict:
     """The packages Infinity runs on, as its own Python sees them; fails early when it cannot start."""
     code = ("import importlib.metadata as m, importlib.util as u, json\n"
             "assert u.find_spec('infinity_emb.cli'), 'infinity_emb.cli is not importable'\n"
-            "assert u.find_spec('httptools'), 'httptools is not importable (infinity-emb runs uvicorn with http=\"httptools\")'\n"
+            "for name, why in (('httptools', 'infinity-emb runs uvicorn with http=\"httptools\"'),\n"
+            "                  ('orjson', 'infinity-emb answers with fastapi ORJSONResponse, /health included')):\n"
+            " try: __import__(name)\n"
+            " except ImportError as e: raise SystemExit(f'{name} is not importable ({why}): {e}')\n"
             "def v(p):\n try: return m.version(p)\n except m.PackageNotFoundError: return None\n"
             "print(json.dumps({p: v(p) for p in ('infinity-emb', 'transformers', 'sentence-transformers', 'torch', 'numpy')}))")
     out = subprocess.run([*shlex.split(command), "-c", code], capture_output=True, text=True, timeout=120)
@@ -408,15 +412,22 @@ def first_sights(lines: list[str]) -> tuple[list[float], list[float], list[int]]
 
 
 def wait_health(server: Proc, timeout_s: float) -> None:
+    """Until the server answers /health with 2xx. 503 (still loading) and no answer are waited out
+    up to timeout_s; any other error status means it is up and broken, and fails at once."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             urllib.request.urlopen(server.url + "/health", timeout=5).read()
             return
+        except urllib.error.HTTPError as e:
+            if e.code != 503:
+                raise RuntimeError(f"{server.name} at {server.url} answers /health with {e.code}:\n{''.join(server.lines)[-3000:]}") from None
+            if time.monotonic() > deadline or server.proc.poll() is not None:
+                raise RuntimeError(f"{server.name} at {server.url} still answers /health with 503:\n{''.join(server.lines)[-3000:]}") from None
         except OSError:
             if time.monotonic() > deadline or server.proc.poll() is not None:
-                raise RuntimeError(f"{server.name} at {server.url} does not answer /health:\n{''.join(server.lines)[-3000:]}")
-            time.sleep(0.2)
+                raise RuntimeError(f"{server.name} at {server.url} does not answer /health:\n{''.join(server.lines)[-3000:]}") from None
+        time.sleep(0.2)
 
 
 # -- the client -------------------------------------------------------------------------------------

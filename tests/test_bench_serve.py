@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -239,6 +240,41 @@ def test_infinity_that_does_not_start_is_reported_and_the_run_goes_on(tmp_path):
     for r in rows:
         assert r["florist"]["n"] == 3 and r["baseline"]["n"] == 3 and "infinity" not in r
         assert r["failed"] == {"infinity": "not run: infinity did not start (exit 1)"}
+
+
+def test_infinity_answering_health_with_500_is_given_up_at_once(tmp_path):
+    """An Infinity that starts but answers /health with 500 (as one without orjson does) is up and
+    broken: the run says so with its output at once, instead of waiting out the start-up limit
+    (300 s) for a 200 that never comes, and florist and the baseline are timed as usual."""
+    stand_in = ROOT / "tests" / "stand_ins"
+    started = time.monotonic()
+    stdout = run_serve_bench("--scenarios", "1", "--requests", "3", "--out", str(tmp_path),
+                             "--infinity", f"env STAND_IN_HEALTH_500=1 PYTHONPATH={stand_in} {sys.executable}")
+    assert time.monotonic() - started < 240, "waited for a broken server"
+    assert re.search(r"NOTE: infinity at http://[\d.:]+ answers /health with 500:", stdout), stdout
+    assert "stand-in: /health will answer 500" in stdout, stdout
+    assert "NOTE: infinity did not start" in stdout, stdout
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["florist"]["n"] == 3 and r["baseline"]["n"] == 3 and "infinity" not in r
+        assert r["failed"]["infinity"].startswith("not run: infinity did not start")
+
+
+def test_infinity_without_orjson_stops_the_run_before_anything_starts(tmp_path):
+    """Infinity answers with fastapi's ORJSONResponse, /health included; a --infinity Python that
+    cannot import orjson is refused at once with the reason (an `orjson` that raises ImportError
+    stands in for a missing one, as this Python may have the real one)."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("infinity_emb", "httptools"):
+        (bare / name).symlink_to(ROOT / "tests" / "stand_ins" / name)
+    (bare / "orjson.py").write_text("raise ImportError('stand-in: no orjson here')\n")
+    out = run_bench("serve.py", "--smoke", "--scenarios", "1", "--out", str(tmp_path / "out"),
+                    "--infinity", f"env PYTHONPATH={bare} {sys.executable}", timeout=120)
+    assert out.returncode != 0
+    assert "orjson is not importable" in out.stdout + out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "florist serve:" not in out.stdout
 
 
 def test_infinity_without_httptools_stops_the_run_before_anything_starts(tmp_path):

@@ -5,7 +5,8 @@ Infinity's start-up line, /health at the root, POST {--url-prefix}/embeddings ta
 model, and POST {--url-prefix}/rerank (Cohere's shape) for a sequence classifier, answered by
 bench/baseline_server.py's sentence-transformers handlers. With STAND_IN_EXIT_AFTER=N in its
 environment the process dies on its (N + 1)-th embedding request, as a server that crashes does;
-with STAND_IN_FAIL_START=1 it exits (code 1) before its start-up line, as one missing a package does.
+with STAND_IN_FAIL_START=1 it exits (code 1) before its start-up line, as one missing a package does;
+with STAND_IN_HEALTH_500=1 it starts but answers /health with 500, as Infinity without orjson does.
 
     python -m infinity_emb.cli v2 --model-id DIR --engine torch --device cpu --dtype float32 \
         --host 127.0.0.1 --port PORT --url-prefix /v1
@@ -72,7 +73,15 @@ def main() -> int:
 
     app = web.Application(client_max_size=1 << 30)
     app.router.add_post(f"{args.url_prefix}/{'rerank' if task == 'score' else 'embeddings'}", rerank if task == "score" else embeddings)
-    app.router.add_get("/health", lambda request: web.json_response({"unix": 0.0}))
+    async def health(request: web.Request) -> web.Response:
+        if os.environ.get("STAND_IN_HEALTH_500") == "1":
+            print("stand-in: AssertionError: orjson must be installed to use ORJSONResponse", flush=True)
+            return web.Response(status=500, text="Internal Server Error")
+        return web.json_response({"unix": 0.0})
+
+    app.router.add_get("/health", health)
+    if os.environ.get("STAND_IN_HEALTH_500") == "1":
+        print("stand-in: /health will answer 500", flush=True)  # before the start-up line, so the run has it when it gives up
     print(f"INFO:     Uvicorn running on http://{args.host}:{args.port} (Press CTRL+C to quit)", flush=True)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
     return 0
