@@ -614,15 +614,16 @@ def print_table(cells: list[Cell]) -> None:
     print("\nratio: how many times florist is ahead (baseline / florist for latency, florist / baseline for throughput)")
     print(f"{'scenario':<60}{'metric':>10}{'florist':>12}{'baseline':>12}{'ratio':>9}"
           + (f"{'infinity':>12}{'ratio':>9}" if infinity else "") + f"   n (florist / baseline{' / infinity' if infinity else ''})")
-    alone = not any("baseline" in c.results for c in cells)  # --florist-only
+    alone = not any("baseline" in c.results or "baseline" in c.failed for c in cells)  # --florist-only
     for c in cells:
-        if c.skipped or "florist" not in c.results or not (alone or "baseline" in c.results):
+        if c.skipped or "florist" not in c.results or not (alone or "baseline" in c.results or "baseline" in c.failed):
             print(f"{c.key:<60}  {'skipped: ' + c.skipped if c.skipped else 'not run (the run stopped first)'}")
             continue
         f, b, i = c.results["florist"], c.results.get("baseline"), c.results.get("infinity")
         for m in METRICS[c.scenario]:
             unit, name = metric_label(m)
-            line = f"{c.key:<60}{name:>10}{f[m]:>12.2f}" + (f"{b[m]:>12.2f}{ahead(f[m], b[m], unit):>8.2f}x" if b else f"{'-':>12}{'':>9}")
+            line = f"{c.key:<60}{name:>10}{f[m]:>12.2f}" + (f"{b[m]:>12.2f}{ahead(f[m], b[m], unit):>8.2f}x" if b
+                                                             else f"{'failed' if 'baseline' in c.failed else '-':>12}{'':>9}")
             if infinity:
                 line += f"{i[m]:>12.2f}{ahead(f[m], i[m], unit):>8.2f}x" if i else f"{'failed' if 'infinity' in c.failed else '-':>12}{'':>9}"
             print(f"{line}   {f['n']} / {b['n'] if b else '-'}" + (f" / {i['n'] if i else '-'}" if infinity else ""))
@@ -669,7 +670,7 @@ def cell_from_row(row: dict) -> Cell:
     """A measured cell back from a results.json row (for --replot)."""
     return Cell(scenario=row["scenario"], label=row["label"], route="", bodies=[], items=row["items_per_request"],
                 procs=row["client_processes"], clients=row["clients_per_process"], skipped=row.get("skipped") or "",
-                results={k: row[k] for k in SERVERS if row.get(k)})  # older files have no "infinity"
+                results={k: row[k] for k in SERVERS if row.get(k)}, failed=row.get("failed") or {})  # older files have no "infinity"
 
 
 def minor_label(v: float) -> str:
@@ -886,12 +887,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-http", default="auto", choices=["auto", "fastapi", "aiohttp"], help="the baseline's HTTP server (auto: FastAPI when importable)")
     p.add_argument("--smoke", action="store_true", help="tiny models on the CPU, a few requests: the code path only")
     p.add_argument("--replot", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
-                   help="only redraw the plots into --out from earlier results.json files (runs nothing)")
+                   help="only print the table again and redraw the plots into --out from earlier results.json files (runs nothing)")
     args = p.parse_args(argv)
     if args.replot:
         out = args.out or Path(tempfile.mkdtemp(prefix="florist-bench-serve-"))
         out.mkdir(parents=True, exist_ok=True)
         cells = [cell_from_row(row) for f in args.replot for row in json.loads(f.read_text())["rows"]]
+        print_table(cells)
         print("wrote " + ", ".join(str(w) for w in write_plots(out, [c for c in cells if not c.skipped])))
         return 0
     if args.florist_only and args.infinity:

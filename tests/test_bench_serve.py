@@ -21,7 +21,7 @@ def run_serve_bench(*args: str) -> str:
     return out.stdout
 
 
-def test_serve_bench_smoke(tmp_path):
+def test_serve_bench_smoke(tmp_path, capsys):
     """The whole suite on tiny models, with Infinity beside florist and the baseline: --infinity
     starts a third server with the given command (here tests/stand_ins, which answers like
     Infinity and refuses token ids); it is sent texts of the same token counts where a scenario
@@ -58,12 +58,19 @@ def test_serve_bench_smoke(tmp_path):
     for name in ("scenario1_latency", "scenario2_latency", "scenario3_throughput", "scenario4_latency", "scenario4_concurrency"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
-    # --replot redraws the same plots from results.json alone.
+    # --replot prints the same table and redraws the same plots from results.json alone.
     sys.path.insert(0, str(ROOT / "bench"))
     import serve
 
+    capsys.readouterr()
     assert serve.main(["--replot", str(tmp_path / "results.json"), "--out", str(tmp_path / "replot")]) == 0
     assert sorted(p.name for p in (tmp_path / "replot").iterdir()) == sorted(p.name for p in tmp_path.glob("*.png"))
+    lines = stdout.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("scenario ")))
+    table = lines[start:start + 1 + next(i for i, line in enumerate(lines[start + 1:]) if not line[:1].isdigit())]
+    replotted = capsys.readouterr().out.splitlines()
+    assert len(table) > 40, table
+    assert [line for line in replotted if line in table] == table, (table, replotted)
 
     # Infinity: checked and timed in every cell but scoring's
     cosine = re.search(r"check: min cosine, florist vs infinity over (\d+) rows: ([0-9.]+)", stdout)
@@ -288,6 +295,29 @@ def test_infinity_without_httptools_stops_the_run_before_anything_starts(tmp_pat
     assert out.returncode != 0
     assert "httptools is not importable" in out.stdout + out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
     assert "florist serve:" not in out.stdout
+
+
+def test_a_cell_the_baseline_failed_shows_florist_and_says_failed(capsys):
+    """A cell the baseline failed (an out-of-memory 500 at 4 x 100 x 4096 tokens on an 80 GB card)
+    still has florist's and Infinity's figures: the table prints them with "failed" in the
+    baseline's column, not "not run", which is for cells the run never reached."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import serve
+
+    def measured(n, p50, rate):
+        return {"n": n, "planned": n, "retries": 0, "p50": p50, "items_per_s": rate}
+
+    failed = serve.Cell(scenario=3, label="100 x 4096 tokens", route="/v1/embeddings", bodies=[], items=100,
+                        results={"florist": measured(4, 3154.68, 80.2), "infinity": measured(4, 9219.12, 38.4)},
+                        failed={"baseline": "RuntimeError: POST /v1/embeddings: 500"})
+    unreached = serve.Cell(scenario=3, label="100 x 8192 tokens", route="/v1/embeddings", bodies=[], items=100,
+                           results={"florist": measured(4, 6000.0, 40.0)})
+    serve.print_table([failed, unreached])
+    lines = capsys.readouterr().out.splitlines()
+    rate = next(line for line in lines if line.startswith(failed.key) and "emb/s" in line)
+    assert re.search(r"emb/s\s+80\.20\s+failed\s+38\.40\s+2\.09x", rate), rate
+    assert any(line.startswith(unreached.key) and "not run (the run stopped first)" in line for line in lines), lines
+    assert any(line.startswith("NOTE: baseline failed in '3 high-throughput embedding, 100 x 4096 tokens'") for line in lines), lines
 
 
 def test_log_axes_label_two_and_five_and_start_a_decade_below_the_lowest_bar():
