@@ -686,6 +686,14 @@ def decade_below(values) -> float | None:
     return None if lowest is None else 10.0 ** math.floor(math.log10(lowest))
 
 
+def bar_slots(c: Cell) -> tuple[float, list[tuple[str, float]]]:
+    """(bar width, [(server, offset from the group's x)]): a slot for each server that ran the cell
+    or failed it, in SERVERS' order, side by side within 0.8 of an x unit."""
+    servers = [server for server in SERVERS if server in c.results or server in c.failed]
+    width = 0.8 / len(servers)
+    return width, [(server, (k - (len(servers) - 1) / 2) * width) for k, server in enumerate(servers)]
+
+
 def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
     try:
         import matplotlib
@@ -710,11 +718,16 @@ def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
     done = [c for c in cells if "florist" in c.results]
 
     def bars(ax, x, c: Cell, value) -> None:
-        """One bar per server that ran the cell, side by side around each x."""
-        ran = [server for server in SERVERS if server in c.results]
-        width = 0.8 / len(ran)
-        for k, server in enumerate(ran):
-            ax.bar(x + (k - (len(ran) - 1) / 2) * width, value(c.results[server]), width, label=server, color=colors[server])
+        """One bar per server side by side around each x; a server that failed the cell (or was
+        not run in it) keeps its slot, marked so, and the others stay in the legend's order."""
+        width, slots = bar_slots(c)
+        for server, offset in slots:
+            if server in c.results:
+                ax.bar(x + offset, value(c.results[server]), width, label=server, color=colors[server])
+            else:
+                for at in np.atleast_1d(x + offset):
+                    ax.text(at, 0.02, "not run" if c.failed[server].startswith("not run") else "failed", transform=ax.get_xaxis_transform(), rotation=90, ha="center", va="bottom",
+                            fontsize=7, color=colors[server])
 
     for s in (1, 2, 4):
         group = [c for c in done if c.scenario == s]
@@ -758,10 +771,12 @@ def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
     if group:
         clients = [c.procs * c.clients for c in group]  # concurrent clients in all processes
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-        for server in [x for x in SERVERS if all(x in c.results for c in group)]:
-            a1.plot(clients, [c.results[server]["requests_per_s"] for c in group], "o-", label=server, color=colors[server])
-            a2.plot(clients, [c.results[server]["p99"] for c in group], "o-", label=f"{server} p99", color=colors[server])
-            a2.plot(clients, [c.results[server]["p50"] for c in group], "o--", label=f"{server} p50", color=colors[server], alpha=0.6)
+        for server in [x for x in SERVERS if any(x in c.results for c in group)]:  # a cell it failed: a gap in its line
+            def at(metric):
+                return [c.results[server][metric] if server in c.results else math.nan for c in group]
+            a1.plot(clients, at("requests_per_s"), "o-", label=server, color=colors[server])
+            a2.plot(clients, at("p99"), "o-", label=f"{server} p99", color=colors[server])
+            a2.plot(clients, at("p50"), "o--", label=f"{server} p50", color=colors[server], alpha=0.6)
         for ax, title in ((a1, "throughput, requests / s"), (a2, "latency, ms (log)")):
             ax.set_xscale("log", base=2)
             ax.set_xticks(clients, [str(c) for c in clients])

@@ -320,6 +320,22 @@ def test_a_cell_the_baseline_failed_shows_florist_and_says_failed(capsys):
     assert any(line.startswith("NOTE: baseline failed in '3 high-throughput embedding, 100 x 4096 tokens'") for line in lines), lines
 
 
+def test_a_server_that_failed_a_cell_keeps_its_bar_slot():
+    """In the bar plots each server keeps its place beside the others in a cell it failed (marked
+    there), so Infinity's bar is not drawn where the baseline's stands in the other groups."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import serve
+
+    def cell(results, failed=None):
+        return serve.Cell(scenario=3, label="100 x 4096 tokens", route="/v1/embeddings", bodies=[], items=100,
+                          results={k: {"items_per_s": 1.0} for k in results}, failed=failed or {})
+
+    width, slots = serve.bar_slots(cell(["florist", "baseline", "infinity"]))
+    assert slots == [("florist", -width), ("baseline", 0.0), ("infinity", width)] and width == pytest.approx(0.8 / 3)
+    assert serve.bar_slots(cell(["florist", "infinity"], {"baseline": "RuntimeError: 500"})) == (width, slots)
+    assert serve.bar_slots(cell(["florist", "baseline"])) == (0.4, [("florist", -0.2), ("baseline", 0.2)])
+
+
 def test_log_axes_label_two_and_five_and_start_a_decade_below_the_lowest_bar():
     sys.path.insert(0, str(ROOT / "bench"))
     import serve
