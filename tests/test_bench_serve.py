@@ -268,32 +268,22 @@ def test_infinity_answering_health_with_500_is_given_up_at_once(tmp_path):
         assert r["failed"]["infinity"].startswith("not run: infinity did not start")
 
 
-def test_infinity_without_orjson_stops_the_run_before_anything_starts(tmp_path):
-    """Infinity answers with fastapi's ORJSONResponse, /health included; a --infinity Python that
-    cannot import orjson is refused at once with the reason (an `orjson` that raises ImportError
-    stands in for a missing one, as this Python may have the real one)."""
+@pytest.mark.parametrize("missing", ["httptools", "orjson"])
+def test_infinity_without_a_package_its_server_needs_stops_the_run_before_anything_starts(tmp_path, missing):
+    """Infinity's server runs uvicorn with http="httptools" and answers with fastapi's
+    ORJSONResponse (/health included): a --infinity Python that cannot import either is refused at
+    once with the reason, before any model is built or server started. A module that raises
+    ImportError stands in for the missing package, as this Python may have the real one."""
     bare = tmp_path / "bare"
     bare.mkdir()
     for name in ("infinity_emb", "httptools"):
-        (bare / name).symlink_to(ROOT / "tests" / "stand_ins" / name)
-    (bare / "orjson.py").write_text("raise ImportError('stand-in: no orjson here')\n")
+        if name != missing:
+            (bare / name).symlink_to(ROOT / "tests" / "stand_ins" / name)
+    (bare / f"{missing}.py").write_text("raise ImportError('stand-in: not installed')\n")
     out = run_bench("serve.py", "--smoke", "--scenarios", "1", "--out", str(tmp_path / "out"),
                     "--infinity", f"env PYTHONPATH={bare} {sys.executable}", timeout=120)
     assert out.returncode != 0
-    assert "orjson is not importable" in out.stdout + out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "florist serve:" not in out.stdout
-
-
-def test_infinity_without_httptools_stops_the_run_before_anything_starts(tmp_path):
-    """Infinity's server needs httptools; a --infinity Python without it is refused at once with
-    the reason, before any model is built or server started."""
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    (bare / "infinity_emb").symlink_to(ROOT / "tests" / "stand_ins" / "infinity_emb")
-    out = run_bench("serve.py", "--smoke", "--scenarios", "1", "--out", str(tmp_path / "out"),
-                    "--infinity", f"env PYTHONPATH={bare} {sys.executable}", timeout=120)
-    assert out.returncode != 0
-    assert "httptools is not importable" in out.stdout + out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"{missing} is not importable" in out.stdout + out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
     assert "florist serve:" not in out.stdout
 
 
