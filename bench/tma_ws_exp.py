@@ -2,7 +2,7 @@
 (`tl.range(..., warp_specialize=True)`: a producer warp group issuing the TMA loads, consumers the
 wgmma) against the same loop without it, at Qwen3-0.6B's products and batch-1 row counts.
 
-    python bench/tma_ws_exp.py [--m 128 512]
+    python bench/tma_ws_exp.py [--m 128 512] [--shapes qkv,o,gate_up,down]
 
 us per call in a CUDA graph, weights from HBM (bench/gemm.py's timing); each variant is checked
 against the fp32 reference first. The kernel here is `skinny_gemm._tma_gemm_kernel`'s loop and
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -62,16 +63,25 @@ def summed(out: torch.Tensor) -> torch.Tensor:
     return out.sum(0) if out.dim() == 3 else out
 
 
-SHAPES = [("qkv", 4096, 1024, 1), ("o", 1024, 2048, 4), ("gate_up (no SwiGLU)", 6144, 1024, 1), ("down", 1024, 3072, 4)]
+SHAPES = {"qkv": (4096, 1024, 1), "o": (1024, 2048, 4), "gate_up": (6144, 1024, 1), "down": (1024, 3072, 4)}  # N, K, split (gate_up: no SwiGLU)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"a comma-separated subset of {','.join(SHAPES)}")
     args = ap.parse_args()
+    names = [name for name in args.shapes.split(",") if name]
+    if unknown := sorted(set(names) - set(SHAPES)):
+        ap.error(f"unknown shapes {unknown}; known: {','.join(SHAPES)}")
+    if not torch.cuda.is_available():
+        print("tma_ws_exp: needs CUDA (a Hopper GPU: TMA descriptors and warp specialization)")
+        return 1
+    started = time.perf_counter()
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}", flush=True)
     print(f"{'shape':22s} {'M':>4s} {'florist':>8s} {'loop':>8s} {'ws':>8s}  config (us per call)", flush=True)
-    for name, n, k, split in SHAPES:
+    for name in names:
+        n, k, split = SHAPES[name]
         weights = hbm_weights(n, k)
         for m in args.m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -95,7 +105,7 @@ def main() -> int:
                         print(f"  {name} M={m} ws={ws} {c}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", flush=True)
                 label = f"m{c.block_m} n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}" + (" (picked)" if c is picked else "")
                 florist = f"{t_florist:8.2f}" if (c is picked and t_florist is not None) else f"{'':8s}"
-                print(f"{name:22s} {m:4d} {florist} {row[0]} {row[1]}  {label}", flush=True)
+                print(f"{name:22s} {m:4d} {florist} {row[0]} {row[1]}  {label}  ({time.perf_counter() - started:.0f} s in)", flush=True)
         del weights
         torch.cuda.empty_cache()
     return 0

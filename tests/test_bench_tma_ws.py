@@ -2,6 +2,9 @@
 specialization) against the fp32 product on the CPU, under Triton's interpreter: odd row counts,
 a K split, both settings. (fp16: the interpreter's descriptor loads garble bf16.)"""
 
+import pytest
+import torch
+from bench_scripts import run_bench
 from interpreted import ROOT, run_interpreted
 
 CASES = f'''
@@ -24,3 +27,9 @@ for m, n, k, split in ((100, 192, 256, 1), (37, 64, 512, 2), (1, 128, 128, 1)):
 
 def test_tma_ws_exp_kernel_matches_the_product_under_the_interpreter():
     run_interpreted(CASES, "print('tma ws cases ok')", "tma ws cases ok", timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
+def test_without_cuda_it_says_so():
+    out = run_bench("tma_ws_exp.py", "--shapes", "qkv", "--m", "128")
+    assert out.returncode == 1 and "needs CUDA" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
