@@ -154,6 +154,10 @@ class Cell:
     def bodies_for(self, server: str) -> list[bytes]:
         return self.infinity_bodies if server == "infinity" and self.infinity_bodies is not None else self.bodies
 
+    def tried(self, server: str) -> bool:
+        """Whether the server was measured in this cell or failed it (as against never reached)."""
+        return server in self.results or server in self.failed
+
     def route_for(self, server: str) -> str:
         return "/v1/rerank" if server == "infinity" and self.scenario == 2 else self.route
 
@@ -419,14 +423,11 @@ def wait_health(server: Proc, timeout_s: float) -> None:
         try:
             urllib.request.urlopen(server.url + "/health", timeout=5).read()
             return
-        except urllib.error.HTTPError as e:
-            if e.code != 503:
-                raise RuntimeError(f"{server.name} at {server.url} answers /health with {e.code}:\n{''.join(server.lines)[-3000:]}") from None
-            if time.monotonic() > deadline or server.proc.poll() is not None:
-                raise RuntimeError(f"{server.name} at {server.url} still answers /health with 503:\n{''.join(server.lines)[-3000:]}") from None
-        except OSError:
-            if time.monotonic() > deadline or server.proc.poll() is not None:
-                raise RuntimeError(f"{server.name} at {server.url} does not answer /health:\n{''.join(server.lines)[-3000:]}") from None
+        except OSError as e:  # no answer yet, or an error status (HTTPError)
+            status = e.code if isinstance(e, urllib.error.HTTPError) else None
+            if status not in (None, 503) or time.monotonic() > deadline or server.proc.poll() is not None:
+                said = "does not answer /health" if status is None else f"answers /health with {status}"
+                raise RuntimeError(f"{server.name} at {server.url} {said}:\n{''.join(server.lines)[-3000:]}") from None
         time.sleep(0.2)
 
 
@@ -614,9 +615,9 @@ def print_table(cells: list[Cell]) -> None:
     print("\nratio: how many times florist is ahead (baseline / florist for latency, florist / baseline for throughput)")
     print(f"{'scenario':<60}{'metric':>10}{'florist':>12}{'baseline':>12}{'ratio':>9}"
           + (f"{'infinity':>12}{'ratio':>9}" if infinity else "") + f"   n (florist / baseline{' / infinity' if infinity else ''})")
-    alone = not any("baseline" in c.results or "baseline" in c.failed for c in cells)  # --florist-only
+    alone = not any(c.tried("baseline") for c in cells)  # --florist-only
     for c in cells:
-        if c.skipped or "florist" not in c.results or not (alone or "baseline" in c.results or "baseline" in c.failed):
+        if c.skipped or "florist" not in c.results or not (alone or c.tried("baseline")):
             print(f"{c.key:<60}  {'skipped: ' + c.skipped if c.skipped else 'not run (the run stopped first)'}")
             continue
         f, b, i = c.results["florist"], c.results.get("baseline"), c.results.get("infinity")
@@ -689,7 +690,7 @@ def decade_below(values) -> float | None:
 def bar_slots(c: Cell) -> tuple[float, list[tuple[str, float]]]:
     """(bar width, [(server, offset from the group's x)]): a slot for each server that ran the cell
     or failed it, in SERVERS' order, side by side within 0.8 of an x unit."""
-    servers = [server for server in SERVERS if server in c.results or server in c.failed]
+    servers = [server for server in SERVERS if c.tried(server)]
     width = 0.8 / len(servers)
     return width, [(server, (k - (len(servers) - 1) / 2) * width) for k, server in enumerate(servers)]
 
@@ -725,9 +726,9 @@ def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
             if server in c.results:
                 ax.bar(x + offset, value(c.results[server]), width, label=server, color=colors[server])
             else:
+                mark = "not run" if c.failed[server].startswith("not run") else "failed"
                 for at in np.atleast_1d(x + offset):
-                    ax.text(at, 0.02, "not run" if c.failed[server].startswith("not run") else "failed", transform=ax.get_xaxis_transform(), rotation=90, ha="center", va="bottom",
-                            fontsize=7, color=colors[server])
+                    ax.text(at, 0.02, mark, transform=ax.get_xaxis_transform(), rotation=90, ha="center", va="bottom", fontsize=7, color=colors[server])
 
     for s in (1, 2, 4):
         group = [c for c in done if c.scenario == s]
