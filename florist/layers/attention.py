@@ -164,8 +164,10 @@ def _flex_backend() -> AttentionFn:
 # FLORIST_SHORT_RAGGED_MAX_SEQLEN moves the ragged bound (0: ragged batches never take the kernel;
 # for A/B runs of bench/engine.py).
 SHORT_RAGGED_MAX_SEQLEN = int_from_env("FLORIST_SHORT_RAGGED_MAX_SEQLEN", 4096)
-# One sequence: tokens x max_seqlen x (query heads x head_dim); FLORIST_SHORT_SINGLE_MAX_WORK
-# moves the bound (for A/B runs of bench/engine.py).
+# One sequence: tokens x max_seqlen x (query heads x head_dim), halved for causal attention (the
+# scores it computes); 2^26 takes Qwen3-0.6B's causal steps up to 256 tokens and MiniLM's
+# bidirectional ones up to 418. FLORIST_SHORT_SINGLE_MAX_WORK moves the bound (for A/B runs of
+# bench/engine.py).
 SHORT_SINGLE_MAX_WORK = int_from_env("FLORIST_SHORT_SINGLE_MAX_WORK", 1 << 26)
 # The final layer of a last-token model (Attention.forward_last) runs the whole attention up to
 # this many tokens in the batch and keeps each sequence's last row; above, the last queries alone.
@@ -183,7 +185,7 @@ def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel:
     `width`: query heads x head_dim."""
     if short_kernel:
         if batch.single_sequence:
-            if num_tokens * batch.max_seqlen * width <= SHORT_SINGLE_MAX_WORK:
+            if num_tokens * batch.max_seqlen * width // (2 if causal else 1) <= SHORT_SINGLE_MAX_WORK:
                 return "triton"
         elif not batch.uniform_seqlen and batch.max_seqlen <= SHORT_RAGGED_MAX_SEQLEN:
             return "triton"
