@@ -166,8 +166,8 @@ def _flex_backend() -> AttentionFn:
 SHORT_RAGGED_MAX_SEQLEN = int_from_env("FLORIST_SHORT_RAGGED_MAX_SEQLEN", 4096)
 # One sequence: tokens x max_seqlen x (query heads x head_dim), halved for causal attention (the
 # scores it computes); 2^26 takes Qwen3-0.6B's causal steps up to 256 tokens and MiniLM's
-# bidirectional ones up to 418. FLORIST_SHORT_SINGLE_MAX_WORK moves the bound (for A/B runs of
-# bench/engine.py).
+# bidirectional ones up to 418 (390 in a graph bucket, whose tokens are rounded up to 64).
+# FLORIST_SHORT_SINGLE_MAX_WORK moves the bound (for A/B runs of bench/engine.py).
 SHORT_SINGLE_MAX_WORK = int_from_env("FLORIST_SHORT_SINGLE_MAX_WORK", 1 << 26)
 # The final layer of a last-token model (Attention.forward_last) runs the whole attention up to
 # this many tokens in the batch and keeps each sequence's last row; above, the last queries alone.
