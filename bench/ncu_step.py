@@ -3,6 +3,7 @@
     python bench/ncu_step.py                          # Qwen3-0.6B 1 x 128 and 1 x 512, ncu started here
     python bench/ncu_step.py --shapes 1x128 --keep /tmp/ncu
     python bench/ncu_step.py --summarize FILE.csv     # the table again from a saved report
+    python bench/ncu_step.py --geometry minilm-l6 --shapes 100x256 --pipes   # + each kernel's busiest pipes
 
 bench/profile_kernels.py says how long each kernel of a step takes; this says why: for every
 kernel of one step (CUDA-graph replays included, each graph node profiled on its own) the DRAM
@@ -54,6 +55,10 @@ WAVES = "launch__waves_per_multiprocessor"
 # Asked for by name besides the sections (not every section collects them).
 METRICS = (DURATION, DRAM_READ, DRAM_WRITE, L2_BYTES, WAVES)
 STALL = re.compile(r"^smsp__average_warps?_(?:latency_)?issue_stalled_(\w+?)(?:_per_issue_active)?\.ratio$")
+# With --pipes: ComputeWorkloadAnalysis too, and each kernel's busiest pipes (share of the cycles
+# its SMs were active): tensor cores, FMA, ALU, XU (MUFU: exp2, reciprocals, conversions), LSU...
+PIPE_SECTION = "ComputeWorkloadAnalysis"
+PIPE = re.compile(r"^sm__((?:inst_executed_)?pipe_\w+?)(?:_cycles_active)?\.avg\.pct_of_peak_sustained_active$")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -131,9 +136,11 @@ def summarize(rows: list[dict[str, str]], units: dict[str, str]) -> list[dict]:
         return _in_base(v, units.get(metric, ""), kind) if kind else v
 
     stall_cols = [(m.group(1), c) for c in (rows[0].keys() if rows else ()) if (m := STALL.match(c))]
+    pipe_cols = [(m.group(1), c) for c in (rows[0].keys() if rows else ()) if (m := PIPE.match(c))]
     out = []
     for (name, grid3, *_), rs in groups.items():
         stalls = sorted(((reason, mean(rs, col)) for reason, col in stall_cols), key=lambda kv: -(kv[1] or 0))
+        pipes = sorted(((pipe, mean(rs, col)) for pipe, col in pipe_cols), key=lambda kv: -(kv[1] or 0))
         smem = [mean(rs, m, "bytes") for m in SMEM]
         out.append({
             "name": name, "grid3": grid3.replace(" ", ""), "launches": len(rs), "us": mean(rs, DURATION, "time"),
@@ -141,7 +148,7 @@ def summarize(rows: list[dict[str, str]], units: dict[str, str]) -> list[dict]:
             "l2_bytes": mean(rs, L2_BYTES, "bytes"), "dram_pct": mean(rs, DRAM_PCT), "l2_pct": mean(rs, L2_PCT),
             "sm_pct": mean(rs, SM_PCT), "occupancy_pct": mean(rs, OCCUPANCY), "grid": mean(rs, GRID), "block": mean(rs, BLOCK),
             "registers": mean(rs, REGISTERS), "smem_kb": None if all(s is None for s in smem) else sum(s or 0 for s in smem) / 1024,
-            "waves": mean(rs, WAVES), "stalls": [(k, v) for k, v in stalls[:3] if v],
+            "waves": mean(rs, WAVES), "stalls": [(k, v) for k, v in stalls[:3] if v], "pipes": [(k, v) for k, v in pipes[:4] if v],
         })
     out.sort(key=lambda e: -(e["us"] or 0) * e["launches"])
     return out
@@ -162,6 +169,8 @@ def print_summary(entries: list[dict], title: str) -> None:
           f"{'thr':>4s} {'regs':>4s} {'smemKB':>6s}  kernel; top stalls (cycles per issue)")
     for e in entries:
         stalls = ", ".join(f"{k} {v:.1f}" for k, v in e["stalls"])
+        if e.get("pipes"):
+            stalls += "; pipes % " + ", ".join(f"{k} {v:.0f}" for k, v in e["pipes"])
         print(f"{e['launches']:4d} {_fmt(e['us'], '7.2f')} {_fmt(e['dram_bytes'] and e['dram_bytes'] / 1e6, '8.2f')} "
               f"{_fmt(e['l2_bytes'] and e['l2_bytes'] / 1e6, '7.2f')} {_fmt(e['dram_pct'], '6.1f')} {_fmt(e['l2_pct'], '5.1f')} "
               f"{_fmt(e['sm_pct'], '5.1f')} {_fmt(e['occupancy_pct'], '5.1f')} {_fmt(e['grid'], '6.0f')} {_fmt(e['block'], '4.0f')} "
@@ -212,10 +221,11 @@ def profile(args) -> int:
     keep = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="florist-ncu-report-"))
     keep.mkdir(parents=True, exist_ok=True)
     status = 0
+    sections = SECTIONS + ((PIPE_SECTION,) if args.pipes else ())
     for n, length in args.shapes:
         out = keep / f"{args.geometry}-{n}x{length}.csv"
         cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--graph-profiling", "node", "--csv", "--page", "raw",
-               "--print-units", "base", *[a for s in SECTIONS for a in ("--section", s)], "--metrics", ",".join(METRICS),
+               "--print-units", "base", *[a for s in sections for a in ("--section", s)], "--metrics", ",".join(METRICS),
                sys.executable, __file__, "--worker", "--geometry", args.geometry, "--shapes", f"{n}x{length}", "--warmup", str(args.warmup)]
         print(f"-- {' '.join(cmd)}", flush=True)
         with open(out, "w") as f:
@@ -240,6 +250,7 @@ def main() -> int:
     ap.add_argument("--shapes", type=lambda s: [parse_shape(x) for x in s.split(",") if x.strip()], default=[(1, 128), (1, 512)],
                     help="comma list of SEQUENCESxTOKENS (default 1x128,1x512)")
     ap.add_argument("--warmup", type=int, default=5, help="unprofiled steps first (default 5: the graph is captured on the second)")
+    ap.add_argument("--pipes", action="store_true", help="collect ComputeWorkloadAnalysis too and print each kernel's busiest pipes")
     ap.add_argument("--keep", metavar="DIR", help="write the raw ncu CSV of each shape here (default: a temporary directory)")
     ap.add_argument("--summarize", metavar="CSV", type=Path, help="print the table of a saved report and exit")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles

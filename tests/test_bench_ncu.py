@@ -29,6 +29,9 @@ _METRICS = {  # metric: unit
     "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": "",
     "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": "",
     "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio": "",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "%",
+    "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active": "%",
+    "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active": "%",
 }
 
 
@@ -87,6 +90,22 @@ def test_summarize_mode_prints_the_table(tmp_path):
     assert "1 kernels, 2.0 us of kernel time alone" in proc.stdout
     line = next(x for x in proc.stdout.splitlines() if "rms_norm_kernel" in x)
     assert "long_scoreboard 3.0" in line and " 128 " in line
+
+
+def test_busiest_pipes_are_listed_where_the_report_has_them(tmp_path):
+    path = tmp_path / "step.csv"
+    attention = {"gpu__time_duration.sum": "50000", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "12.5",
+                 "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active": "61", "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active": "0"}
+    path.write_text(_report([("_short_attention_kernel", attention), ("rms_norm_kernel", _gemm("2000", "500000", "3"))]))
+    rows, units = ncu_step.read_raw_csv(path)
+    entries = {e["name"]: e for e in ncu_step.summarize(rows, units)}
+    # busiest first, a zero left out; a launch without the counters lists none
+    assert entries["_short_attention_kernel"]["pipes"] == [("inst_executed_pipe_xu", 61.0), ("pipe_tensor_op_hmma", 12.5)]
+    assert entries["rms_norm_kernel"]["pipes"] == []
+    proc = run_bench("ncu_step.py", "--summarize", str(path), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(x for x in proc.stdout.splitlines() if "_short_attention_kernel" in x)
+    assert "pipes % inst_executed_pipe_xu 61, pipe_tensor_op_hmma 12" in line
 
 
 def test_a_file_without_a_report_is_refused(tmp_path):
