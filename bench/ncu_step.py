@@ -4,6 +4,7 @@
     python bench/ncu_step.py --shapes 1x128 --keep /tmp/ncu
     python bench/ncu_step.py --summarize FILE.csv     # the table again from a saved report
     python bench/ncu_step.py --geometry minilm-l6 --shapes 100x256 --pipes   # + each kernel's busiest pipes
+    python bench/ncu_step.py --kernels short_attention --pipes               # only the kernels matching a name
 
 bench/profile_kernels.py says how long each kernel of a step takes; this says why: for every
 kernel of one step (CUDA-graph replays included, each graph node profiled on its own) the DRAM
@@ -213,6 +214,16 @@ def worker(geometry: str, shape: tuple[int, int], warmup: int) -> int:
     return 0
 
 
+def ncu_command(ncu: str, args, n: int, length: int) -> list[str]:
+    """The ncu command line that profiles one step of n sequences of `length` tokens (only the
+    kernels whose function name matches --kernels, where given)."""
+    sections = SECTIONS + ((PIPE_SECTION,) if args.pipes else ())
+    only = ["--kernel-name-base", "function", "--kernel-name", f"regex:{args.kernels}"] if args.kernels else []
+    return [ncu, "--profile-from-start", "off", "--clock-control", "none", "--graph-profiling", "node", *only, "--csv", "--page", "raw",
+            "--print-units", "base", *[a for s in sections for a in ("--section", s)], "--metrics", ",".join(METRICS),
+            sys.executable, __file__, "--worker", "--geometry", args.geometry, "--shapes", f"{n}x{length}", "--warmup", str(args.warmup)]
+
+
 def profile(args) -> int:
     ncu = find_ncu()
     if ncu is None:
@@ -221,12 +232,9 @@ def profile(args) -> int:
     keep = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="florist-ncu-report-"))
     keep.mkdir(parents=True, exist_ok=True)
     status = 0
-    sections = SECTIONS + ((PIPE_SECTION,) if args.pipes else ())
     for n, length in args.shapes:
         out = keep / f"{args.geometry}-{n}x{length}.csv"
-        cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--graph-profiling", "node", "--csv", "--page", "raw",
-               "--print-units", "base", *[a for s in sections for a in ("--section", s)], "--metrics", ",".join(METRICS),
-               sys.executable, __file__, "--worker", "--geometry", args.geometry, "--shapes", f"{n}x{length}", "--warmup", str(args.warmup)]
+        cmd = ncu_command(ncu, args, n, length)
         print(f"-- {' '.join(cmd)}", flush=True)
         with open(out, "w") as f:
             proc = subprocess.run(cmd, stdout=f, stderr=subprocess.PIPE, text=True)
@@ -251,6 +259,7 @@ def main() -> int:
                     help="comma list of SEQUENCESxTOKENS (default 1x128,1x512)")
     ap.add_argument("--warmup", type=int, default=5, help="unprofiled steps first (default 5: the graph is captured on the second)")
     ap.add_argument("--pipes", action="store_true", help="collect ComputeWorkloadAnalysis too and print each kernel's busiest pipes")
+    ap.add_argument("--kernels", metavar="REGEX", help="profile only the kernels whose function name matches (e.g. short_attention): faster")
     ap.add_argument("--keep", metavar="DIR", help="write the raw ncu CSV of each shape here (default: a temporary directory)")
     ap.add_argument("--summarize", metavar="CSV", type=Path, help="print the table of a saved report and exit")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles

@@ -108,6 +108,19 @@ def test_busiest_pipes_are_listed_where_the_report_has_them(tmp_path):
     assert "pipes % inst_executed_pipe_xu 61, pipe_tensor_op_hmma 12" in line
 
 
+def test_the_ncu_command_takes_the_sections_and_the_kernel_filter():
+    import argparse
+
+    args = argparse.Namespace(pipes=False, kernels=None, geometry="minilm-l6", warmup=5)
+    cmd = ncu_step.ncu_command("ncu", args, 100, 256)
+    assert "ComputeWorkloadAnalysis" not in cmd and "--kernel-name" not in cmd
+    assert cmd[cmd.index("--shapes") + 1] == "100x256" and cmd[cmd.index("--geometry") + 1] == "minilm-l6"
+    args.pipes, args.kernels = True, "short_attention"
+    cmd = ncu_step.ncu_command("ncu", args, 1, 128)
+    assert "ComputeWorkloadAnalysis" in cmd and cmd[cmd.index("--kernel-name") + 1] == "regex:short_attention"
+    assert cmd.index("--kernel-name") < cmd.index(sys.executable)  # an ncu option, not the worker's
+
+
 def test_a_file_without_a_report_is_refused(tmp_path):
     path = tmp_path / "empty.csv"
     path.write_text("==ERROR== no kernels were profiled\n")
