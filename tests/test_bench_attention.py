@@ -50,8 +50,11 @@ def test_sweep_configs_take_the_key_loop_choice():
     args = argparse.Namespace(block_m=[64, 128], block_n=[64], warps=[4], lean="pick")
     configs = bench_attention.sweep_configs(args, 12, 12)
     assert len(configs) == 2 * 3 and {c[5] for c in configs} == {None} and {c[4] for c in configs} == {False}
+    assert {c[6] for c in configs} == {0}  # no register cap unless asked
     args.lean = "both"
     configs = bench_attention.sweep_configs(args, 16, 8)  # grouped heads: packed and not
     assert len(configs) == 2 * 3 * 2 * 2 and {c[5] for c in configs} == {False, True}
+    args.maxnreg = [0, 128, 96]
+    assert len(bench_attention.sweep_configs(args, 12, 12)) == 2 * 3 * 2 * 3
     out = run_bench("attention.py", "--sweep", "--lean", "sometimes", timeout=120)
     assert out.returncode == 2 and "--lean" in out.stderr

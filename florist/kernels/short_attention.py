@@ -138,9 +138,11 @@ def launch_config(max_seqlen: int, head_dim: int, groups: int, num_tokens: int =
 
 def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                            causal: bool, scale: float, blocks: tuple[int, int] | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, pack_groups: bool | None = None, lean: bool | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, pack_groups: bool | None = None, lean: bool | None = None,
+                           maxnreg: int | None = None) -> torch.Tensor:
     """The kernel; `blocks` (BLOCK_M, BLOCK_N), `num_warps`, `num_stages` and `pack_groups` override
-    `launch_config`'s choice (for `bench/attention.py --sweep`). `pack_groups`: one program holds
+    `launch_config`'s choice, and `maxnreg` caps its registers a thread (for `bench/attention.py
+    --sweep`; None: no cap, as the model runs it). `pack_groups`: one program holds
     all the query heads of a kv head (GROUPS x BLOCK_M rows), so each key tile is read once per
     group instead of once per query head."""
     assert _supported(q, k, v, cu_seqlens), (
@@ -165,6 +167,7 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     num_stages = config["num_stages"] if num_stages is None else num_stages
     pack_groups = config["pack_groups"] if pack_groups is None else pack_groups
     lean = config.get("lean", False) if lean is None else lean
+    maxnreg = config.get("maxnreg") if maxnreg is None else maxnreg
     heads = groups if pack_groups else 1  # query heads per program
     grid = (triton.cdiv(max_seqlen, block_m), num_seqs, num_heads // heads)
     _short_attention_kernel[grid](
@@ -173,7 +176,7 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, IEEE=q.dtype == torch.float32,
         FMA_SCALE=lean and q.dtype != torch.float32 and scale > 0, MASK_TAIL=lean and not causal,
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(q),
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(q), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out
 
