@@ -167,7 +167,6 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     num_stages = config["num_stages"] if num_stages is None else num_stages
     pack_groups = config["pack_groups"] if pack_groups is None else pack_groups
     lean = config.get("lean", False) if lean is None else lean
-    maxnreg = config.get("maxnreg") if maxnreg is None else maxnreg
     heads = groups if pack_groups else 1  # query heads per program
     grid = (triton.cdiv(max_seqlen, block_m), num_seqs, num_heads // heads)
     _short_attention_kernel[grid](
