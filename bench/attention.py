@@ -257,7 +257,7 @@ def sweep(args) -> None:
                 return sa.short_attention_triton(q, k, v, batch.cu_seqlens, max_len, causal, d**-0.5)
             bm, bn, warps, stages, pack, lean, cap = cfg
             return sa.short_attention_triton(q, k, v, batch.cu_seqlens, max_len, causal, d**-0.5, (bm, bn), warps, stages, pack, lean,
-                                             cap or None)
+                                             cap)
 
         default = timed(run, graph=not args.eager) * 1e3
         others = {"varlen": timed(lambda: varlen(q, k, v, batch, causal, d**-0.5), graph=not args.eager) * 1e3}

@@ -142,6 +142,9 @@ def _build_cases():
         cases[f"{name}-causal-lean"] = _case(dtype, [1, 7, 33, 100], 4, 2, 32, True, pad=5, launch=dict(lean=True))
         cases[f"{name}-nan-inf-padding-lean"] = _case(dtype, [7, 33], 4, 2, 32, False, pad=9, nonfinite=True, launch=lean)
         cases[f"{name}-large-scores-lean"] = _case(dtype, [100, 64], 2, 2, 64, False, scale=8.0, launch=lean)
+    # ... under a register cap (FLORIST_SHORT_LEAN_LAUNCH's MAXNREG; the sweep's --maxnreg), which spills
+    cases["fp16-bidir-tiles-128x64-lean-capped"] = _case(torch.float16, [7, 33, 130, 100, 0], 2, 2, 32, False, pad=3,
+                                                         launch=dict(lean, maxnreg=96))
     return cases
 
 
@@ -297,6 +300,30 @@ def test_the_ragged_bound_moves_with_its_environment_variable(monkeypatch):
     assert _choice(_graph_batch([100, 7, 33])) == "varlen"
     assert _choice(_graph_batch([256] * 100), width=12 * 32) == "varlen"
     assert _choice(_graph_batch([100])) == "triton"  # one sequence: SHORT_SINGLE_MAX_WORK decides
+
+
+def test_the_lean_launch_moves_with_its_environment_variable():
+    """FLORIST_SHORT_LEAN_LAUNCH=WARPS:MAXNREG (for A/B runs): read at import; the lean batch tiles
+    take those warps and that register cap, other tiles keep theirs, and a bad value is refused by
+    name."""
+    pytest.importorskip("triton")
+    code = ("from florist.kernels import short_attention as s; "
+            "print(s.launch_config(256, 32, 1, 25600, 128)); print(s.launch_config(512, 32, 1))")
+
+    def at_import(value: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "FLORIST_SHORT_LEAN_LAUNCH": value}
+        return subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    proc = at_import("8:128")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lean, other = proc.stdout.strip().splitlines()[-2:]
+    assert "'num_warps': 8" in lean and "'maxnreg': 128" in lean
+    assert "'num_warps': 4" in other and "maxnreg" not in other
+    proc = at_import("4:0")
+    assert proc.returncode == 0 and "maxnreg" not in proc.stdout, proc.stderr[-2000:]
+    for bad in ("lots", "4", "3:0", "4:8", "4:300"):
+        proc = at_import(bad)
+        assert proc.returncode != 0 and "FLORIST_SHORT_LEAN_LAUNCH" in proc.stderr, (bad, proc.stderr[-2000:])
 
 
 def test_launch_config_follows_the_sweep():

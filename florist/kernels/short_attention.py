@@ -55,6 +55,24 @@ MAX_HEAD_DIM = 256  # one [BLOCK_M, head_dim] fp32 accumulator per program must 
 # the exponent's multiply-add (`online_softmax_step_scaled`) and, without a causal mask, masked
 # only in a sequence's last, partial key tile. FLORIST_SHORT_LEAN=0 runs the loop as elsewhere.
 LEAN_ENABLED = os.environ.get("FLORIST_SHORT_LEAN", "1") != "0"
+
+
+def _lean_launch_from_env() -> tuple[int, int]:
+    """FLORIST_SHORT_LEAN_LAUNCH=WARPS:MAXNREG, the warps a program and the register cap a thread
+    (0: none) of the lean batch tiles' launches, for A/B runs (`bench/ab.py --env
+    FLORIST_SHORT_LEAN_LAUNCH=4:0,4:128,8:0 -- python bench/engine.py --only minilm --no-baseline`;
+    docs/benchmarks.md, "A register cap, not yet timed"). Default 4:0, the sweep's pick."""
+    value = os.environ.get("FLORIST_SHORT_LEAN_LAUNCH", "4:0").strip()
+    try:
+        warps, maxnreg = (int(v) for v in value.split(":"))
+    except ValueError:
+        raise ValueError(f"FLORIST_SHORT_LEAN_LAUNCH={value!r}: expected WARPS:MAXNREG, e.g. 4:128 (MAXNREG 0: no cap)") from None
+    if warps not in (1, 2, 4, 8, 16) or not (maxnreg == 0 or 24 <= maxnreg <= 255):
+        raise ValueError(f"FLORIST_SHORT_LEAN_LAUNCH={value!r}: WARPS must be 1, 2, 4, 8 or 16 and MAXNREG 0 or 24..255")
+    return warps, maxnreg
+
+
+LEAN_WARPS, LEAN_MAXNREG = _lean_launch_from_env()
 _LOG2E = 1.4426950408889634
 
 
@@ -115,7 +133,8 @@ def launch_config(max_seqlen: int, head_dim: int, groups: int, num_tokens: int =
       and small batches; batches of >= 4,096 tokens of sequences of >= 128 tokens take 128-row
       query tiles over 64-key tiles (100 x 256: 55.5 us against 65.6), with the lean key loop
       (`lean`: the scale in the exponent's FMA, bidirectional masks on partial tiles only; 50 x 256
-      on an H100: 27.9 us against 30.6);
+      on an H100: 27.9 us against 30.6), 4 warps and no register cap (FLORIST_SHORT_LEAN_LAUNCH
+      changes both, for A/B runs);
     - wider heads (Qwen3, 128), one sequence (in a graph: one and its dummy) of <= 128 tokens:
       16-row query tiles over 128-key tiles (1 x 128: 4.10 us against 5.00 for 32 x 64 tiles);
     - wider heads, anything else: 32-row tiles, 64-key tiles, 3 stages, the query heads of a kv
@@ -128,7 +147,8 @@ def launch_config(max_seqlen: int, head_dim: int, groups: int, num_tokens: int =
     fit = max(16, triton.next_power_of_2(max(max_seqlen, 1)))
     if head_dim <= 64:
         if num_tokens >= 4096 and fit >= 128:
-            return dict(blocks=(128, 64), num_warps=4, num_stages=3, pack_groups=False, lean=LEAN_ENABLED)
+            config = dict(blocks=(128, 64), num_warps=LEAN_WARPS, num_stages=3, pack_groups=False, lean=LEAN_ENABLED)
+            return config | ({"maxnreg": LEAN_MAXNREG} if LEAN_MAXNREG else {})
         return dict(blocks=(min(64, fit), min(128, fit)), num_warps=4, num_stages=3, pack_groups=False)
     if max_seqlen <= 128 and num_seqs <= 2:
         return dict(blocks=(16, min(128, fit)), num_warps=4, num_stages=2, pack_groups=False)
@@ -140,9 +160,9 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            causal: bool, scale: float, blocks: tuple[int, int] | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, pack_groups: bool | None = None, lean: bool | None = None,
                            maxnreg: int | None = None) -> torch.Tensor:
-    """The kernel; `blocks` (BLOCK_M, BLOCK_N), `num_warps`, `num_stages` and `pack_groups` override
-    `launch_config`'s choice, and `maxnreg` caps its registers a thread (for `bench/attention.py
-    --sweep`; None: no cap, as the model runs it). `pack_groups`: one program holds
+    """The kernel; `blocks` (BLOCK_M, BLOCK_N), `num_warps`, `num_stages`, `pack_groups` and
+    `maxnreg` (registers a thread, 0: no cap) override `launch_config`'s choice (for `bench/attention.py
+    --sweep`; None: the choice, which caps nothing unless FLORIST_SHORT_LEAN_LAUNCH asks). `pack_groups`: one program holds
     all the query heads of a kv head (GROUPS x BLOCK_M rows), so each key tile is read once per
     group instead of once per query head."""
     assert _supported(q, k, v, cu_seqlens), (
@@ -167,6 +187,7 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     num_stages = config["num_stages"] if num_stages is None else num_stages
     pack_groups = config["pack_groups"] if pack_groups is None else pack_groups
     lean = config.get("lean", False) if lean is None else lean
+    maxnreg = config.get("maxnreg", 0) if maxnreg is None else maxnreg
     heads = groups if pack_groups else 1  # query heads per program
     grid = (triton.cdiv(max_seqlen, block_m), num_seqs, num_heads // heads)
     _short_attention_kernel[grid](
