@@ -161,10 +161,11 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            num_stages: int | None = None, pack_groups: bool | None = None, lean: bool | None = None,
                            maxnreg: int | None = None) -> torch.Tensor:
     """The kernel; `blocks` (BLOCK_M, BLOCK_N), `num_warps`, `num_stages`, `pack_groups` and
-    `maxnreg` (registers a thread, 0: no cap) override `launch_config`'s choice (for `bench/attention.py
-    --sweep`; None: the choice, which caps nothing unless FLORIST_SHORT_LEAN_LAUNCH asks). `pack_groups`: one program holds
-    all the query heads of a kv head (GROUPS x BLOCK_M rows), so each key tile is read once per
-    group instead of once per query head."""
+    `maxnreg` (registers a thread, 0: no cap) override `launch_config`'s choice (for
+    `bench/attention.py --sweep`; None: the choice, which caps nothing unless
+    FLORIST_SHORT_LEAN_LAUNCH asks). `pack_groups`: one program holds all the query heads of a kv
+    head (GROUPS x BLOCK_M rows), so each key tile is read once per group instead of once per
+    query head."""
     assert _supported(q, k, v, cu_seqlens), (
         f"unsupported input: q {q.dtype} {tuple(q.shape)} strides {q.stride()}, k {k.dtype} {tuple(k.shape)} strides "
         f"{k.stride()}, v {v.dtype} {tuple(v.shape)} strides {v.stride()}, cu_seqlens {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
