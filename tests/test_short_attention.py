@@ -302,28 +302,25 @@ def test_the_ragged_bound_moves_with_its_environment_variable(monkeypatch):
     assert _choice(_graph_batch([100])) == "triton"  # one sequence: SHORT_SINGLE_MAX_WORK decides
 
 
-def test_the_lean_launch_moves_with_its_environment_variable():
+def test_the_lean_launch_moves_with_its_environment_variable(monkeypatch):
     """FLORIST_SHORT_LEAN_LAUNCH=WARPS:MAXNREG (for A/B runs): read at import; the lean batch tiles
     take those warps and that register cap, other tiles keep theirs, and a bad value is refused by
     name."""
     pytest.importorskip("triton")
     code = ("from florist.kernels import short_attention as s; "
             "print(s.launch_config(256, 32, 1, 25600, 128)); print(s.launch_config(512, 32, 1))")
-
-    def at_import(value: str) -> subprocess.CompletedProcess:
-        env = {**os.environ, "FLORIST_SHORT_LEAN_LAUNCH": value}
-        return subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-
-    proc = at_import("8:128")
+    env = {**os.environ, "FLORIST_SHORT_LEAN_LAUNCH": "8:128"}
+    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lean, other = proc.stdout.strip().splitlines()[-2:]
     assert "'num_warps': 8" in lean and "'maxnreg': 128" in lean
     assert "'num_warps': 4" in other and "maxnreg" not in other
-    proc = at_import("4:0")
-    assert proc.returncode == 0 and "maxnreg" not in proc.stdout, proc.stderr[-2000:]
+    monkeypatch.delenv("FLORIST_SHORT_LEAN_LAUNCH", raising=False)
+    assert short._lean_launch_from_env() == (4, 0)  # the default: the sweep's 4 warps, no cap
     for bad in ("lots", "4", "3:0", "4:8", "4:300"):
-        proc = at_import(bad)
-        assert proc.returncode != 0 and "FLORIST_SHORT_LEAN_LAUNCH" in proc.stderr, (bad, proc.stderr[-2000:])
+        monkeypatch.setenv("FLORIST_SHORT_LEAN_LAUNCH", bad)
+        with pytest.raises(ValueError, match="FLORIST_SHORT_LEAN_LAUNCH"):
+            short._lean_launch_from_env()
 
 
 def test_launch_config_follows_the_sweep():
