@@ -168,10 +168,11 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            causal: bool, scale: float, blocks: tuple[int, int] | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, pack_groups: bool | None = None, lean: bool | None = None,
                            maxnreg: int | None = None, chains: int | None = None) -> torch.Tensor:
-    """The kernel; `blocks` (BLOCK_M, BLOCK_N), `num_warps`, `num_stages`, `pack_groups` and
-    `maxnreg` (registers a thread, 0: no cap) override `launch_config`'s choice (for
-    `bench/attention.py --sweep`; None: the choice, which caps nothing unless
-    FLORIST_SHORT_LEAN_LAUNCH asks). `pack_groups`: one program holds all the query heads of a kv
+    """The kernel; `blocks` (BLOCK_M, BLOCK_N), `num_warps`, `num_stages`, `pack_groups`,
+    `maxnreg` (registers a thread, 0: no cap) and `chains` (1, or 2: a program's key tiles in two
+    halves merged at the end) override `launch_config`'s choice (for `bench/attention.py --sweep`;
+    None: the choice, which caps nothing unless FLORIST_SHORT_LEAN_LAUNCH asks and runs one chain
+    unless FLORIST_SHORT_CHAINS does). `pack_groups`: one program holds all the query heads of a kv
     head (GROUPS x BLOCK_M rows), so each key tile is read once per group instead of once per
     query head."""
     assert _supported(q, k, v, cu_seqlens), (
