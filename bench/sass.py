@@ -2,6 +2,7 @@
 spill bytes a thread, and the instructions of its key loop by opcode.
 
     python bench/sass.py [--geometry minilm-l6] [--block-m 128] [--block-n 64] [--warps 4 8] [--maxnreg 0 128]
+    python bench/sass.py --geometry qwen3-0.6b --block-m 32 --block-n 64 --pack --lean off --chains 1 2
 
 Triton specializes a kernel at launch on which pointers and integers are multiples of 16 (so loads
 can be 16-byte vectors); a compile that skips that sees scalar 2-byte loads and far more registers
@@ -11,7 +12,8 @@ The Triton of this machine compiles it, which may differ from the device's: the 
 Nsight Compute's (`bench/ncu_step.py`). `cuobjdump` comes with Triton's NVIDIA backend.
 
 The key loop is the body of the kernel's longest backward branch; its instructions a score are
-its count over the scores one thread holds in a key tile (BLOCK_M x BLOCK_N / threads).
+its count over the scores one thread holds in an iteration (rows x BLOCK_N x chains / threads,
+rows = BLOCK_M, times the kv head's query heads with --pack).
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def main(argv=None) -> None:
     p.add_argument("--lean", choices=("on", "off"), default="on", help="the lean key loop (launch_config's for narrow heads' batch tiles)")
     p.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps a thread (0: none)")
     p.add_argument("--pack", action="store_true", help="one program holds a kv head's query heads (launch_config's pack_groups)")
-    p.add_argument("--chains", type=int, nargs="+", default=[1], help="key chains a program (1, 2: the key tiles in two halves)")
+    p.add_argument("--chains", type=int, nargs="+", default=[1], choices=(1, 2), help="key chains a program (1, 2: the key tiles in two halves)")
     p.add_argument("--top", type=int, default=12, help="opcodes of the key loop to list (default 12)")
     args = p.parse_args(argv)
     print(f"short attention, {args.geometry}, {args.block_m} x {args.block_n} tiles{', packed' if args.pack else ''}, {args.stages} stages, "
