@@ -14,7 +14,7 @@ which for microsecond kernels mostly measures the host's launch cost):
 longer ones with the geometry's masking (Qwen3 causal, MiniLM bidirectional), each configuration
 checked against varlen first, cuDNN and varlen timed beside them:
 
-    python bench/attention.py --sweep [--geometry minilm-l6] [--masking bidirectional] [--json FILE] [--shapes "1 x 128,100 x 256"] [--lean both] [--maxnreg 0 128] [--chains 1 2]
+    python bench/attention.py --sweep [--geometry minilm-l6] [--masking bidirectional] [--json FILE] [--shapes "1 x 128,100 x 256"] [--lean both] [--maxnreg 0 128]
 
 (`--lean both` times each configuration with the lean key loop and the plain one.)
 
@@ -143,9 +143,6 @@ def main():
     ap.add_argument("--maxnreg", type=int, nargs="+", default=[0],
                     help="with --sweep: register caps a thread to try (0: none, the default); fewer registers fit more programs an SM, "
                          "at the price of spills")
-    ap.add_argument("--chains", type=int, nargs="+", default=[1], choices=(1, 2),
-                    help="with --sweep: key chains a program to try (1, the default; 2: a program's key tiles in two halves, "
-                         "one tile of each an iteration, merged at the end)")
     ap.add_argument("--shapes", default="", help="with --sweep: a comma list of the shapes to sweep (default: all), e.g. '1 x 128,100 x 256'")
     ap.add_argument("--masking", choices=("causal", "bidirectional"),
                     help="with --sweep: the masking to sweep (default: the geometry's own, Qwen3 causal, MiniLM bidirectional; "
@@ -215,19 +212,18 @@ LEAN_CHOICES = {"pick": (None,), "on": (True,), "off": (False,), "both": (False,
 
 
 def sweep_configs(args, hq: int, hkv: int) -> list[tuple]:
-    """(BLOCK_M, BLOCK_N, warps, stages, pack_groups, lean, maxnreg, chains) to time: lean None is the
-    key loop `launch_config` picks for the shape (the lean loop for narrow heads' batch tiles);
-    maxnreg 0 leaves the registers uncapped; chains 1 is one chain of key tiles a program."""
+    """(BLOCK_M, BLOCK_N, warps, stages, pack_groups, lean, maxnreg) to time: lean None is the key
+    loop `launch_config` picks for the shape (the lean loop for narrow heads' batch tiles); maxnreg
+    0 leaves the registers uncapped."""
     import itertools
 
     packs = (False, True) if hq != hkv else (False,)
     caps = getattr(args, "maxnreg", None) or [0]
-    chains = getattr(args, "chains", None) or [1]
-    return list(itertools.product(args.block_m, args.block_n, args.warps, (1, 2, 3), packs, LEAN_CHOICES[args.lean], caps, chains))
+    return list(itertools.product(args.block_m, args.block_n, args.warps, (1, 2, 3), packs, LEAN_CHOICES[args.lean], caps))
 
 
 def sweep(args) -> None:
-    """Every (BLOCK_M, BLOCK_N, warps, stages, pack_groups, lean, maxnreg, chains) that fits the shape, with the
+    """Every (BLOCK_M, BLOCK_N, warps, stages, pack_groups, lean, maxnreg) that fits the shape, with the
     geometry's own masking, each checked against varlen first; per shape the default's time, the
     fastest configuration, and cuDNN's SDPA (one sequence) and varlen beside them. `--json PATH`
     keeps every configuration's time. (~100 configurations compile: a few minutes.)"""
@@ -259,9 +255,9 @@ def sweep(args) -> None:
         def run(cfg=None):
             if cfg is None:
                 return sa.short_attention_triton(q, k, v, batch.cu_seqlens, max_len, causal, d**-0.5)
-            bm, bn, warps, stages, pack, lean, cap, chains = cfg
+            bm, bn, warps, stages, pack, lean, cap = cfg
             return sa.short_attention_triton(q, k, v, batch.cu_seqlens, max_len, causal, d**-0.5, (bm, bn), warps, stages, pack, lean,
-                                             cap, chains)
+                                             cap)
 
         default = timed(run, graph=not args.eager) * 1e3
         others = {"varlen": timed(lambda: varlen(q, k, v, batch, causal, d**-0.5), graph=not args.eager) * 1e3}
@@ -284,7 +280,7 @@ def sweep(args) -> None:
         top = ", ".join(f"{c} {us:.2f}" for c, us in ranked[:3])
         lines.append(f"{label:18s} {default:9.2f} {others.get('cudnn', float('nan')):9.2f} {others['varlen']:9.2f}   {top}")
         print(lines[-1], flush=True)
-    print(f"\n{'shape':18s} {'default':>9s} {'cudnn':>9s} {'varlen':>9s}   fastest (BLOCK_M, BLOCK_N, warps, stages, pack_groups, lean, maxnreg, chains) us")
+    print(f"\n{'shape':18s} {'default':>9s} {'cudnn':>9s} {'varlen':>9s}   fastest (BLOCK_M, BLOCK_N, warps, stages, pack_groups, lean, maxnreg) us")
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({"geometry": args.geometry, "causal": causal, "shapes": table}, indent=1))

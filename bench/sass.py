@@ -2,7 +2,7 @@
 spill bytes a thread, and the instructions of its key loop by opcode.
 
     python bench/sass.py [--geometry minilm-l6] [--block-m 128] [--block-n 64] [--warps 4 8] [--maxnreg 0 128]
-    python bench/sass.py --geometry qwen3-0.6b --block-m 32 --block-n 64 --pack --lean off --chains 1 2
+    python bench/sass.py --geometry qwen3-0.6b --block-m 32 --block-n 64 --pack --lean off --warps 4 8
 
 Triton specializes a kernel at launch on which pointers and integers are multiples of 16 (so loads
 can be 16-byte vectors); a compile that skips that sees scalar 2-byte loads and far more registers
@@ -12,15 +12,14 @@ The Triton of this machine compiles it, which may differ from the device's: the 
 Nsight Compute's (`bench/ncu_step.py`). `cuobjdump` comes with Triton's NVIDIA backend.
 
 The key loop is the body of the kernel's longest backward branch; its instructions a score are
-its count over the scores one thread holds in an iteration (rows x BLOCK_N x chains / threads,
-rows = BLOCK_M, times the kv head's query heads with --pack).
+its count over the scores one thread holds in a key tile (rows x BLOCK_N / threads, rows = BLOCK_M,
+times the kv head's query heads with --pack).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import itertools
 import re
 import subprocess
 import sys
@@ -40,7 +39,7 @@ ALIGNED = [name for name in ARGS if name.endswith("_ptr") or name.startswith("st
 
 
 def compile_kernel(geometry: str, block_m: int, block_n: int, warps: int, stages: int, lean: bool, maxnreg: int | None,
-                   chains: int = 1, pack: bool = False):
+                   pack: bool = False):
     """The compiled kernel (Triton's CompiledKernel) for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -50,8 +49,7 @@ def compile_kernel(geometry: str, block_m: int, block_n: int, warps: int, stages
 
     groups, head_dim, dtype, causal = GEOMETRIES[geometry]
     consts = dict(GROUPS=groups, HEADS=groups if pack else 1, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
-                  BLOCK_N=block_n, CAUSAL=causal, IEEE=False, FMA_SCALE=lean, MASK_TAIL=lean and not causal, CHAINS=chains,
-                  PDL=True)
+                  BLOCK_N=block_n, CAUSAL=causal, IEEE=False, FMA_SCALE=lean, MASK_TAIL=lean and not causal, PDL=True)
     signature = {name: kind.format(t=dtype) for name, kind in ARGS.items()} | {name: "constexpr" for name in consts}
     names = list(signature)
     src = ASTSource(fn=sa._short_attention_kernel, signature=signature,
@@ -101,20 +99,20 @@ def main(argv=None) -> None:
     p.add_argument("--lean", choices=("on", "off"), default="on", help="the lean key loop (launch_config's for narrow heads' batch tiles)")
     p.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps a thread (0: none)")
     p.add_argument("--pack", action="store_true", help="one program holds a kv head's query heads (launch_config's pack_groups)")
-    p.add_argument("--chains", type=int, nargs="+", default=[1], choices=(1, 2), help="key chains a program (1, 2: the key tiles in two halves)")
     p.add_argument("--top", type=int, default=12, help="opcodes of the key loop to list (default 12)")
     args = p.parse_args(argv)
     print(f"short attention, {args.geometry}, {args.block_m} x {args.block_n} tiles{', packed' if args.pack else ''}, {args.stages} stages, "
           f"lean {args.lean}, sm_90")
-    print(f"{'warps':>5s} {'cap':>4s} {'chains':>6s} {'regs':>5s} {'spill B':>8s} {'loop instr':>10s} {'a score':>8s}   commonest in the loop")
+    print(f"{'warps':>5s} {'cap':>4s} {'regs':>5s} {'spill B':>8s} {'loop instr':>10s} {'a score':>8s}   commonest in the loop")
     rows = args.block_m * (GEOMETRIES[args.geometry][0] if args.pack else 1)
-    for warps, cap, chains in itertools.product(args.warps, args.maxnreg, args.chains):
-        kernel = compile_kernel(args.geometry, args.block_m, args.block_n, warps, args.stages, args.lean == "on", cap or None, chains, args.pack)
-        regs, spill = resources(kernel)
-        ops = key_loop(cuobjdump(kernel, "-sass"))
-        per_score = len(ops) / (rows * args.block_n * chains / (32 * warps))
-        common = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(args.top))
-        print(f"{warps:5d} {cap or '-':>4} {chains:6d} {regs:5d} {spill:8d} {len(ops):10d} {per_score:8.2f}   {common}", flush=True)
+    for warps in args.warps:
+        for cap in args.maxnreg:
+            kernel = compile_kernel(args.geometry, args.block_m, args.block_n, warps, args.stages, args.lean == "on", cap or None, args.pack)
+            regs, spill = resources(kernel)
+            ops = key_loop(cuobjdump(kernel, "-sass"))
+            per_score = len(ops) / (rows * args.block_n / (32 * warps))
+            common = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(args.top))
+            print(f"{warps:5d} {cap or '-':>4} {regs:5d} {spill:8d} {len(ops):10d} {per_score:8.2f}   {common}", flush=True)
 
 
 if __name__ == "__main__":

@@ -145,20 +145,6 @@ def _build_cases():
     # ... under a register cap (FLORIST_SHORT_LEAN_LAUNCH's MAXNREG; the sweep's --maxnreg), which spills
     cases["fp16-bidir-tiles-128x64-lean-capped"] = _case(torch.float16, [7, 33, 130, 100, 0], 2, 2, 32, False, pad=3,
                                                          launch=dict(lean, maxnreg=96))
-    # Two key chains (FLORIST_SHORT_CHAINS; the sweep's --chains): a program's key tiles in two
-    # halves merged at the end; odd tile counts (the second half's last tile past the keys), heads
-    # packed, one long sequence as at batch 1, NaN / inf garbage, large scores in both halves.
-    chained = dict(blocks=(16, 16), num_warps=2, num_stages=2, chains=2)
-    for name, dtype in DTYPES.items():
-        cases[f"{name}-causal-chains"] = _case(dtype, [100, 7, 49, 1], 4, 2, 32, True, pad=3, launch=chained)
-        cases[f"{name}-bidir-chains"] = _case(dtype, [100, 33, 0], 4, 2, 24, False, pad=3, launch=chained)
-    cases["bf16-causal-one-sequence-packed-chains"] = _case(torch.bfloat16, [200], 4, 2, 128, True, launch=dict(blocks=(32, 64), pack_groups=True,
-                                                                                                              chains=2))
-    cases["fp16-causal-one-sequence-packed-chains"] = _case(torch.float16, [150], 4, 2, 64, True, launch=dict(blocks=(16, 32), pack_groups=True,
-                                                                                                             chains=2))
-    cases["fp16-nan-inf-padding-chains"] = _case(torch.float16, [70, 33], 4, 2, 32, True, pad=9, nonfinite=True, launch=chained)
-    cases["fp32-large-scores-chains"] = _case(torch.float32, [100], 2, 2, 64, True, scale=8.0, launch=chained)
-    cases["fp16-bidir-lean-chains"] = _case(torch.float16, [7, 33, 130, 100, 0], 2, 2, 32, False, pad=3, launch=dict(lean, chains=2))
     return cases
 
 
@@ -335,26 +321,6 @@ def test_the_lean_launch_moves_with_its_environment_variable(monkeypatch):
         monkeypatch.setenv("FLORIST_SHORT_LEAN_LAUNCH", bad)
         with pytest.raises(ValueError, match="FLORIST_SHORT_LEAN_LAUNCH"):
             short._lean_launch_from_env()
-
-
-def test_two_key_chains_are_an_a_b_switch_for_one_wide_sequence(monkeypatch):
-    """FLORIST_SHORT_CHAINS (for A/B runs): read at import; 2 gives one sequence of wide heads past
-    128 tokens two key chains, batches and short sequences keep one, and anything but 1 or 2 is
-    refused by name."""
-    pytest.importorskip("triton")
-    code = "from florist.kernels import short_attention as s; print(s.launch_config(512, 128, 2).get('chains'))"
-    for value, expected in (("2", "2"), ("1", "None")):
-        env = {**os.environ, "FLORIST_SHORT_CHAINS": value}
-        proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0 and proc.stdout.split()[-1] == expected, proc.stderr[-2000:]
-    monkeypatch.setattr(short, "SINGLE_CHAINS", 2)
-    assert short.launch_config(512, 128, 2, 512, 2)["chains"] == 2  # in a graph: the sequence and its dummy
-    assert "chains" not in short.launch_config(512, 128, 2, 8192, 16)
-    assert "chains" not in short.launch_config(128, 128, 2)
-    assert "chains" not in short.launch_config(512, 32, 1)
-    env = {**os.environ, "FLORIST_SHORT_CHAINS": "3"}
-    bad = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "FLORIST_SHORT_CHAINS" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_launch_config_follows_the_sweep():

@@ -36,7 +36,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from florist.config import int_from_env
 from florist.kernels import pdl
 from florist.kernels.online_softmax import online_softmax_step, online_softmax_step_scaled
 
@@ -74,12 +73,6 @@ def _lean_launch_from_env() -> tuple[int, int]:
 
 
 LEAN_WARPS, LEAN_MAXNREG = _lean_launch_from_env()
-# Key chains (`_short_attention_kernel`'s CHAINS) for one sequence of wide heads past 128 tokens:
-# 2 splits each program's key tiles into two halves run side by side (FLORIST_SHORT_CHAINS=2, for
-# A/B runs: docs/benchmarks.md, "Two key chains"). Default 1, the loop as measured before.
-SINGLE_CHAINS = int_from_env("FLORIST_SHORT_CHAINS", 1)
-if SINGLE_CHAINS not in (1, 2):
-    raise ValueError(f"FLORIST_SHORT_CHAINS={SINGLE_CHAINS}: expected 1 or 2")
 _LOG2E = 1.4426950408889634
 
 
@@ -160,19 +153,17 @@ def launch_config(max_seqlen: int, head_dim: int, groups: int, num_tokens: int =
     if max_seqlen <= 128 and num_seqs <= 2:
         return dict(blocks=(16, min(128, fit)), num_warps=4, num_stages=2, pack_groups=False)
     block_n = 32 if max_seqlen <= 256 and num_tokens >= 4096 else 64
-    config = dict(blocks=(min(32, fit), min(block_n, fit)), num_warps=4, num_stages=3, pack_groups=groups > 1)
-    return config | ({"chains": SINGLE_CHAINS} if SINGLE_CHAINS > 1 and num_seqs <= 2 else {})
+    return dict(blocks=(min(32, fit), min(block_n, fit)), num_warps=4, num_stages=3, pack_groups=groups > 1)
 
 
 def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                            causal: bool, scale: float, blocks: tuple[int, int] | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, pack_groups: bool | None = None, lean: bool | None = None,
-                           maxnreg: int | None = None, chains: int | None = None) -> torch.Tensor:
-    """The kernel; `blocks` (BLOCK_M, BLOCK_N), `num_warps`, `num_stages`, `pack_groups`,
-    `maxnreg` (registers a thread, 0: no cap) and `chains` (1, or 2: a program's key tiles in two
-    halves merged at the end) override `launch_config`'s choice (for `bench/attention.py --sweep`;
-    None: the choice, which caps nothing unless FLORIST_SHORT_LEAN_LAUNCH asks and runs one chain
-    unless FLORIST_SHORT_CHAINS does). `pack_groups`: one program holds all the query heads of a kv
+                           maxnreg: int | None = None) -> torch.Tensor:
+    """The kernel; `blocks` (BLOCK_M, BLOCK_N), `num_warps`, `num_stages`, `pack_groups` and
+    `maxnreg` (registers a thread, 0: no cap) override `launch_config`'s choice (for
+    `bench/attention.py --sweep`; None: the choice, which caps nothing unless
+    FLORIST_SHORT_LEAN_LAUNCH asks). `pack_groups`: one program holds all the query heads of a kv
     head (GROUPS x BLOCK_M rows), so each key tile is read once per group instead of once per
     query head."""
     assert _supported(q, k, v, cu_seqlens), (
@@ -198,7 +189,6 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     pack_groups = config["pack_groups"] if pack_groups is None else pack_groups
     lean = config.get("lean", False) if lean is None else lean
     maxnreg = config.get("maxnreg", 0) if maxnreg is None else maxnreg
-    chains = config.get("chains", 1) if chains is None else chains
     heads = groups if pack_groups else 1  # query heads per program
     grid = (triton.cdiv(max_seqlen, block_m), num_seqs, num_heads // heads)
     _short_attention_kernel[grid](
@@ -206,7 +196,7 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, IEEE=q.dtype == torch.float32,
-        FMA_SCALE=lean and q.dtype != torch.float32 and scale > 0, MASK_TAIL=lean and not causal, CHAINS=chains,
+        FMA_SCALE=lean and q.dtype != torch.float32 and scale > 0, MASK_TAIL=lean and not causal,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(q), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out
@@ -217,7 +207,7 @@ def _short_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, num_tokens, qk
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             GROUPS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                            FMA_SCALE: tl.constexpr, MASK_TAIL: tl.constexpr, CHAINS: tl.constexpr, PDL: tl.constexpr):
+                            FMA_SCALE: tl.constexpr, MASK_TAIL: tl.constexpr, PDL: tl.constexpr):
     pdl.pdl_wait(PDL)
     # Query blocks are taken last to first: under a causal mask the last ones see the most keys,
     # so the longest programs start first.
@@ -263,78 +253,35 @@ def _short_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, num_tokens, qk
     l_i = tl.zeros((BLOCK_M * HEADS,), tl.float32)
     acc = tl.zeros((BLOCK_M * HEADS, BLOCK_D), tl.float32)
     hi = tl.minimum(n, row0 + BLOCK_M) if CAUSAL else n  # keys this program's rows may see
-    if CHAINS == 1:
-        # A run-time bound (not a constexpr trip count with tiles skipped inside): the loop's
-        # loads can then be software-pipelined (num_stages).
-        for col0 in range(0, hi, BLOCK_N):
-            s = _tile_scores(q, k_base, stride_kt, seq_start, n, col0, offs_m, offs_d, d_ok, BLOCK_N, CAUSAL, IEEE, FMA_SCALE, MASK_TAIL,
-                             qk_scale)
-            v = _tile_values(v_base, stride_vt, seq_start, n, col0, offs_d, d_ok, BLOCK_N)
-            m_i, l_i, acc = _tile_step(s, v, m_i, l_i, acc, qk_scale, IEEE, FMA_SCALE)
-    else:
-        # Two chains (`chains`): the key tiles split in two halves, each with its own running max,
-        # sum and accumulator, one tile of each per iteration, so the longest program's serial
-        # chain of products and softmax steps is half as long and one chain's products can run
-        # under the other's softmax. The halves are merged after the loop. A second half shorter
-        # by a tile runs its last iteration on keys past `hi`, which the masks hide.
-        half = tl.cdiv(tl.cdiv(hi, BLOCK_N), 2) * BLOCK_N
-        m_b, l_b, acc_b = m_i, l_i, acc
-        for col0 in range(0, half, BLOCK_N):
-            s = _tile_scores(q, k_base, stride_kt, seq_start, n, col0, offs_m, offs_d, d_ok, BLOCK_N, CAUSAL, IEEE, FMA_SCALE, MASK_TAIL,
-                             qk_scale)
-            s_b = _tile_scores(q, k_base, stride_kt, seq_start, n, col0 + half, offs_m, offs_d, d_ok, BLOCK_N, CAUSAL, IEEE, FMA_SCALE,
-                               MASK_TAIL, qk_scale)
-            v = _tile_values(v_base, stride_vt, seq_start, n, col0, offs_d, d_ok, BLOCK_N)
-            v_b = _tile_values(v_base, stride_vt, seq_start, n, col0 + half, offs_d, d_ok, BLOCK_N)
-            m_i, l_i, acc = _tile_step(s, v, m_i, l_i, acc, qk_scale, IEEE, FMA_SCALE)
-            m_b, l_b, acc_b = _tile_step(s_b, v_b, m_b, l_b, acc_b, qk_scale, IEEE, FMA_SCALE)
-        m_new = tl.maximum(m_i, m_b)
-        alpha, alpha_b = tl.exp2(m_i - m_new), tl.exp2(m_b - m_new)
-        l_i = l_i * alpha + l_b * alpha_b
-        acc = acc * alpha[:, None] + acc_b * alpha_b[:, None]
+    # A run-time bound (not a constexpr trip count with tiles skipped inside): the loop's loads
+    # can then be software-pipelined (num_stages).
+    for col0 in range(0, hi, BLOCK_N):
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n
+        tok_n = (seq_start + offs_n).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]  # masked loads: other sequences' rows (NaN or not) are never read
+        k = tl.load(k_base + tok_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if not FMA_SCALE:
+            s = s * qk_scale  # else the scale joins the exponent's multiply-add
+        if MASK_TAIL:
+            # No causal mask: only a sequence's last, partial tile has keys to hide. A uniform
+            # branch, so whole tiles skip the select (docs/benchmarks.md: "... and the lean key loop").
+            if col0 + BLOCK_N > n:
+                s = tl.where(n_ok[None, :], s, float("-inf"))
+        else:
+            visible = n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        v = tl.load(v_base + tok_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FMA_SCALE:
+            m_i, l_i, acc = online_softmax_step_scaled(s, qk_scale, v, m_i, l_i, acc)
+        else:
+            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, IEEE, GUARD_NEG_INF=False)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     ptrs = out_ptr + (tok_m * out_row + head * HEAD_DIM)[:, None] + offs_d[None, :]
     tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-
-
-@_jit
-def _tile_scores(q, k_base, stride_kt, seq_start, n, col0, offs_m, offs_d, d_ok, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                 IEEE: tl.constexpr, FMA_SCALE: tl.constexpr, MASK_TAIL: tl.constexpr, qk_scale):
-    """The scores of the key tile at col0 (base 2, unless FMA_SCALE leaves the scale to the
-    exponent), keys a row may not see at -inf."""
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < n
-    tok_n = (seq_start + offs_n).to(tl.int64)
-    # masked loads: other sequences' rows (NaN or not) are never read
-    k = tl.load(k_base + tok_n[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    if not FMA_SCALE:
-        s = s * qk_scale  # else the scale joins the exponent's multiply-add
-    if MASK_TAIL:
-        # No causal mask: only a sequence's last, partial tile has keys to hide. A uniform
-        # branch, so whole tiles skip the select (docs/benchmarks.md: "... and the lean key loop").
-        if col0 + BLOCK_N > n:
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-    else:
-        visible = n_ok[None, :]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None])
-        s = tl.where(visible, s, float("-inf"))
-    return s
-
-
-@_jit
-def _tile_values(v_base, stride_vt, seq_start, n, col0, offs_d, d_ok, BLOCK_N: tl.constexpr):
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    tok_n = (seq_start + offs_n).to(tl.int64)
-    return tl.load(v_base + tok_n[:, None] * stride_vt + offs_d[None, :], mask=(offs_n < n)[:, None] & d_ok[None, :], other=0.0)
-
-
-@_jit
-def _tile_step(s, v, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, FMA_SCALE: tl.constexpr):
-    if FMA_SCALE:
-        return online_softmax_step_scaled(s, qk_scale, v, m_i, l_i, acc)
-    return online_softmax_step(s, v, m_i, l_i, acc, IEEE, GUARD_NEG_INF=False)
