@@ -61,7 +61,8 @@ def _lean_launch_from_env() -> tuple[int, int]:
     """FLORIST_SHORT_LEAN_LAUNCH=WARPS:MAXNREG, the warps a program and the register cap a thread
     (0: none) of the lean batch tiles' launches, for A/B runs (`bench/ab.py --env
     FLORIST_SHORT_LEAN_LAUNCH=4:0,4:128,8:0 -- python bench/engine.py --only minilm --no-baseline`;
-    docs/benchmarks.md, "A register cap, not yet timed"). Default 4:0, the sweep's pick."""
+    docs/benchmarks.md, "A register cap (timed, dropped)": alone, 4:128 and 8:0 were slower).
+    Default 4:0, the sweep's pick."""
     value = os.environ.get("FLORIST_SHORT_LEAN_LAUNCH", "4:0").strip()
     try:
         warps, maxnreg = (int(v) for v in value.split(":"))
