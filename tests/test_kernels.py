@@ -198,9 +198,10 @@ def test_pdl_launch_args_off_the_gpu(monkeypatch):
         assert pdl.launch_args(torch.zeros(1)) == {"PDL": False}
 
 
-@pytest.mark.parametrize("value, enabled", [("", True), ("wait", True), (" Wait", True), ("off", False), ("OFF", False), ("early", "error")])
+@pytest.mark.parametrize("value, enabled", [("", "True wait"), ("wait", "True wait"), (" Wait", "True wait"), ("off", "False off"), ("OFF", "False off"),
+                                            ("late", "True late"), ("Late-Loops", "True late-loops"), ("early", "error")])
 def test_pdl_mode_from_the_environment(value, enabled):
-    script = "from florist.kernels import pdl; print(pdl.ENABLED)"
+    script = "from florist.kernels import pdl; print(pdl.ENABLED, pdl.MODE)"
     env = _subprocess_env()
     env.pop("FLORIST_PDL", None)
     if value:
@@ -210,7 +211,7 @@ def test_pdl_mode_from_the_environment(value, enabled):
         assert proc.returncode != 0 and "FLORIST_PDL='early'" in proc.stderr
     else:
         assert proc.returncode == 0, proc.stderr[-2000:]
-        assert proc.stdout.strip() == str(enabled)
+        assert proc.stdout.strip() == enabled
 
 
 def _prefill_layer_chain(rows: int, seed: int):
@@ -292,10 +293,12 @@ def _bert_layer_chain(rows: int, seed: int):
 
 
 @pytest.mark.gpu(capability=(9, 0))
+@pytest.mark.parametrize("mode", ["wait", "late", "late-loops"])
 @pytest.mark.parametrize("chain, rows", [("qwen3", 37), ("qwen3", 128), ("bert", 37), ("bert", 128), ("bert", 12800)])
-def test_pdl_gives_the_same_bits(chain, rows, monkeypatch):
+def test_pdl_gives_the_same_bits(chain, rows, mode, monkeypatch):
     """A prefill layer's kernels launched with programmatic dependent launch give the bits they
-    give without it: eagerly, and replayed in a CUDA graph on fresh inputs."""
+    give without it: eagerly, and replayed in a CUDA graph on fresh inputs; with the successors
+    let in early too (`late`, `late-loops`)."""
     from florist.kernels import pdl
 
     if pdl.gdc_wait is None:
@@ -306,7 +309,8 @@ def test_pdl_gives_the_same_bits(chain, rows, monkeypatch):
     fresh, _ = make(rows, seed=1)
     want_static, want_fresh = forward(static), forward(fresh)
     monkeypatch.setattr(pdl, "ENABLED", True)
-    assert pdl.launch_args(static["word" if chain == "bert" else "x"])["PDL"]
+    monkeypatch.setattr(pdl, "MODE", mode)
+    assert pdl.launch_args(static["word" if chain == "bert" else "x"])["PDL"] == {"wait": True, "late": 2, "late-loops": 3}[mode]
     for a, e in zip(forward(static), want_static):
         assert torch.equal(a, e), "eager"
     side = torch.cuda.Stream()
@@ -324,7 +328,7 @@ def test_pdl_gives_the_same_bits(chain, rows, monkeypatch):
         assert torch.equal(a, e), "graph replay"
 
 
-def _hopper_ptx(fn, names_types: list[tuple[str, str]], const: dict, pdl_on: bool, num_warps: int = 4) -> list[str]:
+def _hopper_ptx(fn, names_types: list[tuple[str, str]], const: dict, pdl_on: bool | int, num_warps: int = 4) -> list[str]:
     """`fn` compiled for sm_90 by Triton's own compiler (no GPU needed), its PTX lines."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
@@ -337,23 +341,31 @@ def _hopper_ptx(fn, names_types: list[tuple[str, str]], const: dict, pdl_on: boo
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"].splitlines()
 
 
-def _assert_waits_first(lines: list[str], pdl_on: bool) -> None:
-    """With PDL: one `griddepcontrol.wait`, before the first global load; never an early
-    `launch_dependents`. Without: no grid dependency control at all."""
+def _assert_waits_first(lines: list[str], pdl_on: bool | int, one_pass: bool = False) -> None:
+    """With PDL: one `griddepcontrol.wait`, before the first global load. Under `wait` (PDL True)
+    no `launch_dependents`: the successor launches as the programs exit. Under `late` (2) one, for
+    a kernel with a main loop after the loop's last load, for a one-pass kernel right after the wait
+    (`one_pass`); under `late-loops` (3) the former only. Without PDL: no grid dependency control."""
     wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+    trigger = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
     loads = [i for i, line in enumerate(lines) if "ld.global" in line or "cp.async" in line]
     assert loads
     assert len(wait) == (1 if pdl_on else 0)
     if pdl_on:
         assert wait[0] < loads[0]
-    assert not any("griddepcontrol.launch_dependents" in line for line in lines)
+    if pdl_on is True or not pdl_on or (pdl_on == 3 and one_pass):
+        assert not trigger
+    elif one_pass:
+        assert len(trigger) == 1 and wait[0] < trigger[0] < loads[0]
+    else:
+        assert len(trigger) == 1 and wait[0] < loads[-1] < trigger[0]
 
 
-@pytest.mark.parametrize("pdl_on", [True, False])
+@pytest.mark.parametrize("pdl_on", [True, False, 2, 3])
 def test_pdl_product_compiles_for_hopper(pdl_on):
     """The product kernel compiles for sm_90 with and without PDL (no GPU needed: Triton's own
-    compiler, to PTX); with it, `griddepcontrol.wait` comes before the first load and the kernel
-    never lets its successor launch early."""
+    compiler, to PTX); with it, `griddepcontrol.wait` comes before the first load, and the
+    successor is let in early only under `late` / `late-loops`, after the K loop's last load."""
     from florist.kernels.skinny_gemm import _gemm_kernel
 
     names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_split", "unused", "up_offset"]
@@ -363,7 +375,7 @@ def test_pdl_product_compiles_for_hopper(pdl_on):
     _assert_waits_first(_hopper_ptx(_gemm_kernel, list(zip(names, types)), const, pdl_on), pdl_on)
 
 
-@pytest.mark.parametrize("pdl_on", [True, False])
+@pytest.mark.parametrize("pdl_on", [True, False, 2, 3])
 @pytest.mark.parametrize("kernel", ["layer_norm", "embed_layer_norm", "segment_mean", "gelu"])
 def test_pdl_bert_kernels_compile_for_hopper(kernel, pdl_on):
     """BERT's own kernels (LayerNorm + residual, embeddings + LayerNorm, mean pooling, the exact
@@ -389,7 +401,42 @@ def test_pdl_bert_kernels_compile_for_hopper(kernel, pdl_on):
         fn = pooling._segment_mean_kernel
         args = [("x_ptr", "*fp16"), ("cu_ptr", "*i32"), ("out_ptr", "*fp32"), ("H", "i32"), ("stride_t", "i32")]
         const = dict(SPAN=256, BLOCK_T=32, BLOCK_H=128, ATOMIC=True, SQRT_LEN=False)
-    _assert_waits_first(_hopper_ptx(fn, args, const, pdl_on), pdl_on)
+    _assert_waits_first(_hopper_ptx(fn, args, const, pdl_on), pdl_on, one_pass=kernel != "segment_mean")
+
+
+@pytest.mark.parametrize("pdl_on", [True, 2, 3])
+@pytest.mark.parametrize("kernel", ["rms_norm_partials", "rope", "short_attention", "tma_gemm"])
+def test_pdl_qwen3_kernels_compile_for_hopper(kernel, pdl_on):
+    """The kernels of the Qwen3 step at 128 tokens let their successor in where `_assert_waits_first`
+    says: the norm and rotary right after their wait under `late`, the attention and the TMA product
+    after their loops under `late` and `late-loops`."""
+    from florist.kernels import short_attention, skinny_gemm
+
+    if kernel == "rms_norm_partials":
+        fn = norms._rms_norm_kernel
+        args = [("x_ptr", "*fp32")] + [(n, "*bf16") for n in ("res_ptr", "w_ptr", "out_ptr", "sum_ptr", "b_ptr")]
+        args += [(n, "i32") for n in ("num_rows", "num_heads", "stride_xt", "stride_xh", "stride_rt", "stride_rh", "stride_split", "n_cols")]
+        args += [("eps", "fp32")]
+        const = dict(HAS_RESIDUAL=True, SPLIT_K=4, HAS_BIAS=False, BLOCK_ROWS=1, BLOCK_COLS=1024)
+    elif kernel == "rope":
+        fn = rotary._rope_kernel
+        args = [(n, "*bf16") for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")] + [("pos_ptr", "*i64"), ("cache_ptr", "*fp32")]
+        args += [(n, "*bf16") for n in ("q_w_ptr", "k_w_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")] + [("slot_ptr", "*i64")]
+        args += [(n, "i32") for n in ("num_q_heads", "num_k_heads", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                                      "stride_vh", "stride_cache", "half_dim")] + [("eps", "fp32")]
+        const = dict(NORM=True, STORE_KV=False, BLOCK_Q_HEADS=16, BLOCK_K_HEADS=8, BLOCK_HALF=64)
+    elif kernel == "short_attention":
+        fn = short_attention._short_attention_kernel
+        args = [(n, "*bf16") for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")] + [("cu_ptr", "*i32"), ("num_tokens", "i32"), ("qk_scale", "fp32")]
+        args += [(n, "i32") for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")]
+        const = dict(GROUPS=2, HEADS=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=32, BLOCK_N=64, CAUSAL=True, IEEE=False, FMA_SCALE=False,
+                     MASK_TAIL=False)
+    else:
+        fn = skinny_gemm._tma_gemm_kernel
+        args = [("x_desc", "tensordesc<bf16[64, 128]>"), ("w_desc", "tensordesc<bf16[64, 128]>"), ("out_ptr", "*bf16")]
+        args += [(n, "i32") for n in ("M", "N", "K_PER_SPLIT")]
+        const = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PARTIAL=False, SILU_MUL=False)
+    _assert_waits_first(_hopper_ptx(fn, args, const, pdl_on), pdl_on, one_pass=kernel in ("rms_norm_partials", "rope"))
 
 
 def test_norm_row_blocking():

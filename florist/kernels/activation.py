@@ -93,6 +93,7 @@ def swiglu_tile(acc, BM: tl.constexpr, BN: tl.constexpr, dtype: tl.constexpr):
 @_jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.pdl_wait(PDL)
+    pdl.pdl_trigger(PDL, ONE_PASS=True)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -209,6 +210,7 @@ def gelu_exact(x):
 @_jit
 def _gelu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.pdl_wait(PDL)
+    pdl.pdl_trigger(PDL, ONE_PASS=True)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)

@@ -66,6 +66,7 @@ def embed_layer_norm_triton(ids, positions, type_ids, word, pos, types, weight, 
 def _embed_layer_norm_kernel(ids_ptr, pos_ids_ptr, type_ids_ptr, word_ptr, pos_ptr, types_ptr, w_ptr, b_ptr, out_ptr, num_tokens, H, eps,
                              HAS_TYPES: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr):
     pdl.pdl_wait(PDL)
+    pdl.pdl_trigger(PDL, ONE_PASS=True)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     row_ok, col_ok = rows < num_tokens, cols < H

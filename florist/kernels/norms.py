@@ -352,6 +352,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, b_ptr,
     """SPLIT_K = 0: x_ptr is x. SPLIT_K > 0: x_ptr is a split-K product's fp32 partials (2-D rows,
     num_heads = 1, a residual always), reduced here and rounded to the residual's dtype (= x's)."""
     pdl.pdl_wait(PDL)
+    pdl.pdl_trigger(PDL, ONE_PASS=True)
     rows, cols, col_ok, mask, out_offs = _row_tile(num_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     if SPLIT_K > 0:
         _add_rms_norm_partial_rows(x_ptr, b_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, cols, col_ok, mask, out_offs,
@@ -369,6 +370,7 @@ def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, add_ptr, out_ptr,
                        HAS_RESIDUAL: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
                        PDL: tl.constexpr):
     pdl.pdl_wait(PDL)
+    pdl.pdl_trigger(PDL, ONE_PASS=True)
     rows, cols, col_ok, mask, out_offs = _row_tile(num_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     x = _load_rows(x_ptr, res_ptr, rows, cols, mask, num_heads, stride_xt, stride_xh, stride_rt, stride_rh, HAS_RESIDUAL)
     if HAS_ADD:  # rounded to x's dtype, as the residual's sum is

@@ -42,21 +42,22 @@ try:
 except ImportError:  # CPU-only installs: no kernels to launch
     triton = None
 try:
-    from triton.language.extra.cuda import gdc_wait
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: kernels launch as usual
-    gdc_wait = None
+    gdc_launch_dependents = gdc_wait = None
 
-MODES = ("off", "wait")
+MODES = ("off", "wait", "late", "late-loops")
 
 
-def _enabled_from_env() -> bool:
+def _mode_from_env() -> str:
     name = os.environ.get("FLORIST_PDL", "wait").strip().lower()
     if name not in MODES:
         raise ValueError(f"FLORIST_PDL={name!r}: expected one of {', '.join(MODES)}")
-    return name == "wait"
+    return name
 
 
-ENABLED = _enabled_from_env()
+MODE = _mode_from_env()
+ENABLED = MODE != "off"
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
@@ -67,13 +68,16 @@ def _device_supports(index: int) -> bool:
 
 
 _ON = {"PDL": True, "launch_pdl": True}
+# PDL = 2 / 3: the kernel also lets its successor launch early (`pdl_trigger`)
+_LATE = {"PDL": 2, "launch_pdl": True}
+_LATE_LOOPS = {"PDL": 3, "launch_pdl": True}
 _OFF = {"PDL": False}
 
 
 def launch_args(t: torch.Tensor) -> dict:
     """The launch's keyword arguments (shared dicts: spread them, never change them)."""
     if ENABLED and gdc_wait is not None and t.is_cuda and _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device()):
-        return _ON
+        return {"late": _LATE, "late-loops": _LATE_LOOPS}.get(MODE, _ON)
     return _OFF
 
 
@@ -82,3 +86,15 @@ def pdl_wait(PDL: tl.constexpr):
     """Under PDL: wait until the predecessor has completed and its writes are visible."""
     if PDL:
         gdc_wait()
+
+
+@_jit
+def pdl_trigger(PDL: tl.constexpr, ONE_PASS: tl.constexpr = False):
+    """The successor may launch once every program of this kernel has passed this point or exited;
+    its programs then sit in their `pdl_wait` until this kernel has completed. A kernel with a main
+    loop (a product's K loop, attention's keys) calls it after the loop, a one-pass kernel (a norm,
+    rotary, an activation) with ONE_PASS right after its wait. Under FLORIST_PDL=late both do,
+    under late-loops only the former; elsewhere it is a no-op, and the successor launches as this
+    kernel's programs exit."""
+    if PDL == 2 or (PDL == 3 and not ONE_PASS):
+        gdc_launch_dependents()

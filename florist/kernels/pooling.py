@@ -150,6 +150,7 @@ def _segment_mean_kernel(x_ptr, cu_ptr, out_ptr, H, stride_t,
         mask = (rows < end)[:, None] & col_ok[None, :]
         tile = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask, other=0.0)
         acc += tl.sum(tile.to(tl.float32), axis=0)
+    pdl.pdl_trigger(PDL)
     n = tl.maximum(seq_end - seq_start, 1).to(tl.float32)
     scale = 1.0 / tl.sqrt(n) if SQRT_LEN else 1.0 / n
     if ATOMIC:

@@ -122,6 +122,7 @@ def _qkv_rope_kernel(x_desc, w_desc, out_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_p
     # Rows past M come in as zeros; their outputs are masked on store.
     acc = skinny_gemm.tma_k_slice(x_desc, w_desc, tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32), pid_m * BLOCK_M, head * HEAD_DIM,
                                   0, K, HEAD_DIM, BLOCK_K, False)
+    pdl.pdl_trigger(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     dtype = out_ptr.dtype.element_ty
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -241,6 +241,7 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_ptr
                  NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr,
                  BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     pdl.pdl_wait(PDL)
+    pdl.pdl_trigger(PDL, ONE_PASS=True)
     token = tl.program_id(0)
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < half_dim

@@ -283,6 +283,7 @@ def _short_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, num_tokens, qk
             m_i, l_i, acc = online_softmax_step_scaled(s, qk_scale, v, m_i, l_i, acc)
         else:
             m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, IEEE, GUARD_NEG_INF=False)
+    pdl.pdl_trigger(PDL)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     ptrs = out_ptr + (tok_m * out_row + head * HEAD_DIM)[:, None] + offs_d[None, :]
     tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])

@@ -397,6 +397,7 @@ def _tma_gemm_kernel(x_desc, w_desc, out_ptr, M, N, K_PER_SPLIT, BLOCK_M: tl.con
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Rows past M (and columns past N) come in as zeros; their outputs are masked on store.
     acc = tma_k_slice(x_desc, w_desc, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_k * K_PER_SPLIT, K_PER_SPLIT, BLOCK_N, BLOCK_K, SILU_MUL)
+    pdl.pdl_trigger(PDL)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
@@ -504,6 +505,7 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
     m_ok, n_ok = rm < M, rn < N
     acc, acc_up = _k_slice_product(x_ptr, w_ptr, rm, rn, m_ok, n_ok, pid_k * K_PER_SPLIT, K, stride_xm, stride_wn, up_offset,
                                    K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, SILU_MUL, EVEN_K)
+    pdl.pdl_trigger(PDL)
     mask = m_ok[:, None] & n_ok[None, :]
     if PARTIAL:
         tl.store(out_ptr + pid_k * stride_split + rm[:, None] * stride_om + rn[None, :], acc, mask=mask)
