@@ -18,15 +18,23 @@ another machine). Letting the successor launch earlier still (`griddepcontrol.la
 right after the wait), with or without products asking L2 for their weight before they wait, was
 slower or no better, and was dropped.
 
-FLORIST_PDL=off launches every kernel as before (for side-by-side measurements); the default,
-`wait`, applies on devices of compute capability >= 9.0 with a Triton that has grid dependency
-control. Only the edges into these kernels change: a kernel launched without PDL (a cuBLAS or
+FLORIST_PDL picks the mode: `wait` (the default) as above; `off` launches every kernel as before
+(for side-by-side measurements); `late` and `late-loops` also let the successor launch before the
+kernel ends (`pdl_trigger`): a kernel with a main loop (the products, the short attention, mean
+pooling) after its loop, and under `late` a one-pass kernel (the norms, rotary, the activations)
+right after its wait. Neither is the default: against `wait` on one H200 (docs/benchmarks.md,
+"The successor let in before the loop's epilogue") `late-loops` took 0.010-0.017 ms off the
+Qwen3 1 x 128 step and nothing at 512, `late` 0.021 ms off at 512 and added 0.007 ms at 128, both
+far below the 0.05-0.09 ms they were built to buy. The PDL modes apply on devices of compute
+capability >= 9.0 with a Triton that has grid dependency control. Only the edges into these kernels change: a kernel launched without PDL (a cuBLAS or
 cuDNN product, a copy) still starts after its predecessor has completed, as before, and must:
 the cuBLAS kernels of the Qwen3 step's products hold no `griddepcontrol.wait` (docs/benchmarks.md,
 "What PDL does not reach").
 
 `launch_args(tensor)` gives a kernel's keyword arguments: {"PDL": True, "launch_pdl": True} for a
-CUDA tensor where PDL applies, else {"PDL": False}; each kernel starts with `pdl.pdl_wait(PDL)`.
+CUDA tensor where PDL applies (PDL 2 under `late`, 3 under `late-loops`), else {"PDL": False};
+each kernel starts with `pdl.pdl_wait(PDL)` and calls `pdl.pdl_trigger(PDL)` where its successor
+may launch.
 """
 
 from __future__ import annotations
