@@ -26,9 +26,9 @@ right after its wait. Neither is the default: against `wait` on one H200 (docs/b
 "The successor let in before the loop's epilogue") `late-loops` took 0.010-0.017 ms off the
 Qwen3 1 x 128 step and nothing at 512, `late` 0.021 ms off at 512 and added 0.007 ms at 128, both
 far below the 0.05-0.09 ms they were built to buy. The PDL modes apply on devices of compute
-capability >= 9.0 with a Triton that has grid dependency control. Only the edges into these kernels change: a kernel launched without PDL (a cuBLAS or
-cuDNN product, a copy) still starts after its predecessor has completed, as before, and must:
-the cuBLAS kernels of the Qwen3 step's products hold no `griddepcontrol.wait` (docs/benchmarks.md,
+capability >= 9.0 with a Triton that has grid dependency control. Only the edges into these
+kernels change: a kernel launched without PDL (a cuBLAS or cuDNN product, a copy) still starts
+after its predecessor has completed, as before, and must: the cuBLAS kernels of the Qwen3 step's products hold no `griddepcontrol.wait` (docs/benchmarks.md,
 "What PDL does not reach").
 
 `launch_args(tensor)` gives a kernel's keyword arguments: {"PDL": True, "launch_pdl": True} for a
