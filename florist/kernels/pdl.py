@@ -28,8 +28,8 @@ Qwen3 1 x 128 step and nothing at 512, `late` 0.021 ms off at 512 and added 0.00
 far below the 0.05-0.09 ms they were built to buy. The PDL modes apply on devices of compute
 capability >= 9.0 with a Triton that has grid dependency control. Only the edges into these
 kernels change: a kernel launched without PDL (a cuBLAS or cuDNN product, a copy) still starts
-after its predecessor has completed, as before, and must: the cuBLAS kernels of the Qwen3 step's products hold no `griddepcontrol.wait` (docs/benchmarks.md,
-"What PDL does not reach").
+after its predecessor has completed, as before, and must: the cuBLAS kernels of the Qwen3 step's
+products hold no `griddepcontrol.wait` (docs/benchmarks.md, "What PDL does not reach").
 
 `launch_args(tensor)` gives a kernel's keyword arguments: {"PDL": True, "launch_pdl": True} for a
 CUDA tensor where PDL applies (PDL 2 under `late`, 3 under `late-loops`), else {"PDL": False};
@@ -77,15 +77,14 @@ def _device_supports(index: int) -> bool:
 
 _ON = {"PDL": True, "launch_pdl": True}
 # PDL = 2 / 3: the kernel also lets its successor launch early (`pdl_trigger`)
-_LATE = {"PDL": 2, "launch_pdl": True}
-_LATE_LOOPS = {"PDL": 3, "launch_pdl": True}
+_LATE_BY_MODE = {"late": {"PDL": 2, "launch_pdl": True}, "late-loops": {"PDL": 3, "launch_pdl": True}}
 _OFF = {"PDL": False}
 
 
 def launch_args(t: torch.Tensor) -> dict:
     """The launch's keyword arguments (shared dicts: spread them, never change them)."""
     if ENABLED and gdc_wait is not None and t.is_cuda and _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device()):
-        return {"late": _LATE, "late-loops": _LATE_LOOPS}.get(MODE, _ON)
+        return _LATE_BY_MODE.get(MODE, _ON)
     return _OFF
 
 
