@@ -200,16 +200,17 @@ def test_pdl_launch_args_off_the_gpu(monkeypatch):
 
 def test_pdl_auto_picks_by_rows():
     """`auto` launches fewer than AUTO_LATE_MIN_ROWS rows as `late-loops` does (PDL 3: only
-    kernels with a main loop let their successor in early), larger launches as `late` (PDL 2);
-    the other modes do not look at the rows."""
+    kernels with a main loop let their successor in early), then up to AUTO_WAIT_MIN_ROWS as
+    `late` (PDL 2), larger launches as `wait`; the other modes do not look at the rows."""
     from florist.kernels import pdl
 
-    edge = pdl.AUTO_LATE_MIN_ROWS
-    assert [pdl.args_for("auto", rows)["PDL"] for rows in (1, 128, edge - 1, edge, 512, 12800)] == [3, 3, 3, 2, 2, 2]
-    for rows in (1, edge, 12800):
-        assert pdl.args_for("wait", rows) == {"PDL": True, "launch_pdl": True}
-        assert pdl.args_for("late", rows)["PDL"] == 2 and pdl.args_for("late-loops", rows)["PDL"] == 3
-        assert pdl.args_for("auto", rows)["launch_pdl"] is True
+    late, wait = pdl.AUTO_LATE_MIN_ROWS, pdl.AUTO_WAIT_MIN_ROWS
+    rows = (1, 128, late - 1, late, 512, wait - 1, wait, 4096, 12800)
+    assert [pdl.args_for("auto", n)["PDL"] for n in rows] == [3, 3, 3, 2, 2, 2, True, True, True]
+    for n in rows:
+        assert pdl.args_for("wait", n) == {"PDL": True, "launch_pdl": True}
+        assert pdl.args_for("late", n)["PDL"] == 2 and pdl.args_for("late-loops", n)["PDL"] == 3
+        assert pdl.args_for("auto", n)["launch_pdl"] is True
 
 
 @pytest.mark.parametrize("value, enabled", [("", "True wait"), ("wait", "True wait"), (" Wait", "True wait"), ("off", "False off"), ("OFF", "False off"),
@@ -324,7 +325,7 @@ def test_pdl_gives_the_same_bits(chain, rows, mode, monkeypatch):
     want_static, want_fresh = forward(static), forward(fresh)
     monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "MODE", mode)
-    want_pdl = {"wait": True, "late": 2, "late-loops": 3, "auto": 2 if rows >= pdl.AUTO_LATE_MIN_ROWS else 3}[mode]
+    want_pdl = {"wait": True, "late": 2, "late-loops": 3, "auto": pdl.args_for("auto", rows)["PDL"]}[mode]
     assert pdl.launch_args(static["ids" if chain == "bert" else "x"])["PDL"] == want_pdl
     for a, e in zip(forward(static), want_static):
         assert torch.equal(a, e), "eager"

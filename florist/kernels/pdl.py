@@ -58,8 +58,10 @@ except ImportError:  # a Triton without grid dependency control: kernels launch 
     gdc_launch_dependents = gdc_wait = None
 
 MODES = ("off", "wait", "late", "late-loops", "auto")
-# `auto`: launches of fewer rows run as under `late-loops`, the others as under `late`.
+# `auto`: launches of fewer than AUTO_LATE_MIN_ROWS rows run as under `late-loops`, then up to
+# AUTO_WAIT_MIN_ROWS as under `late`, and from there as under `wait`.
 AUTO_LATE_MIN_ROWS = 256
+AUTO_WAIT_MIN_ROWS = 1024
 
 
 def _mode_from_env() -> str:
@@ -96,7 +98,7 @@ def launch_args(t: torch.Tensor) -> dict:
 def args_for(mode: str, rows: int) -> dict:
     """A PDL mode's launch arguments for a launch of `rows` rows, where PDL applies."""
     if mode == "auto":
-        mode = "late" if rows >= AUTO_LATE_MIN_ROWS else "late-loops"
+        mode = "late-loops" if rows < AUTO_LATE_MIN_ROWS else "late" if rows < AUTO_WAIT_MIN_ROWS else "wait"
     return _LATE_BY_MODE.get(mode, _ON)
 
 
