@@ -198,23 +198,8 @@ def test_pdl_launch_args_off_the_gpu(monkeypatch):
         assert pdl.launch_args(torch.zeros(1)) == {"PDL": False}
 
 
-def test_pdl_auto_picks_by_rows():
-    """`auto` launches fewer than AUTO_LATE_MIN_ROWS rows as `late-loops` does (PDL 3: only
-    kernels with a main loop let their successor in early), then up to AUTO_WAIT_MIN_ROWS as
-    `late` (PDL 2), larger launches as `wait`; the other modes do not look at the rows."""
-    from florist.kernels import pdl
-
-    late, wait = pdl.AUTO_LATE_MIN_ROWS, pdl.AUTO_WAIT_MIN_ROWS
-    rows = (1, 128, late - 1, late, 512, wait - 1, wait, 4096, 12800)
-    assert [pdl.args_for("auto", n)["PDL"] for n in rows] == [3, 3, 3, 2, 2, 2, True, True, True]
-    for n in rows:
-        assert pdl.args_for("wait", n) == {"PDL": True, "launch_pdl": True}
-        assert pdl.args_for("late", n)["PDL"] == 2 and pdl.args_for("late-loops", n)["PDL"] == 3
-        assert pdl.args_for("auto", n)["launch_pdl"] is True
-
-
 @pytest.mark.parametrize("value, enabled", [("", "True wait"), ("wait", "True wait"), (" Wait", "True wait"), ("off", "False off"), ("OFF", "False off"),
-                                            ("late", "True late"), ("Late-Loops", "True late-loops"), ("auto", "True auto"), ("early", "error")])
+                                            ("late", "True late"), ("Late-Loops", "True late-loops"), ("early", "error")])
 def test_pdl_mode_from_the_environment(value, enabled):
     script = "from florist.kernels import pdl; print(pdl.ENABLED, pdl.MODE)"
     env = _subprocess_env()
@@ -308,12 +293,12 @@ def _bert_layer_chain(rows: int, seed: int):
 
 
 @pytest.mark.gpu(capability=(9, 0))
-@pytest.mark.parametrize("mode", ["wait", "late", "late-loops", "auto"])
-@pytest.mark.parametrize("chain, rows", [("qwen3", 37), ("qwen3", 128), ("qwen3", 512), ("bert", 37), ("bert", 128), ("bert", 12800)])
+@pytest.mark.parametrize("mode", ["wait", "late", "late-loops"])
+@pytest.mark.parametrize("chain, rows", [("qwen3", 37), ("qwen3", 128), ("bert", 37), ("bert", 128), ("bert", 12800)])
 def test_pdl_gives_the_same_bits(chain, rows, mode, monkeypatch):
     """A prefill layer's kernels launched with programmatic dependent launch give the bits they
     give without it: eagerly, and replayed in a CUDA graph on fresh inputs; with the successors
-    let in early too (`late`, `late-loops`, and `auto`, which picks one of them by the rows)."""
+    let in early too (`late`, `late-loops`)."""
     from florist.kernels import pdl
 
     if pdl.gdc_wait is None:
@@ -325,8 +310,7 @@ def test_pdl_gives_the_same_bits(chain, rows, mode, monkeypatch):
     want_static, want_fresh = forward(static), forward(fresh)
     monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "MODE", mode)
-    want_pdl = {"wait": True, "late": 2, "late-loops": 3, "auto": pdl.args_for("auto", rows)["PDL"]}[mode]
-    assert pdl.launch_args(static["ids" if chain == "bert" else "x"])["PDL"] == want_pdl
+    assert pdl.launch_args(static["word" if chain == "bert" else "x"])["PDL"] == {"wait": True, "late": 2, "late-loops": 3}[mode]
     for a, e in zip(forward(static), want_static):
         assert torch.equal(a, e), "eager"
     side = torch.cuda.Stream()

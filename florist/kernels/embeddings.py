@@ -57,7 +57,7 @@ def embed_layer_norm_triton(ids, positions, type_ids, word, pos, types, weight, 
     _embed_layer_norm_kernel[(triton.cdiv(num_tokens, block_rows),)](
         ids, positions, type_ids if type_ids is not None else ids, word, pos, types, weight, bias, out, num_tokens, h, eps,
         HAS_TYPES=type_ids is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
-        **pdl.launch_args(ids),  # its first dimension: the launch's rows
+        **pdl.launch_args(word),
     )
     return out
 

@@ -25,17 +25,14 @@ pooling) after its loop, and under `late` a one-pass kernel (the norms, rotary, 
 right after its wait. Neither is the default: against `wait` on one H200 (docs/benchmarks.md,
 "The successor let in before the loop's epilogue") `late-loops` took 0.010-0.017 ms off the
 Qwen3 1 x 128 step and nothing at 512, `late` 0.021 ms off at 512 and added 0.007 ms at 128, both
-far below the 0.05-0.09 ms they were built to buy. `auto` takes each where it gained: a launch of
-fewer than AUTO_LATE_MIN_ROWS rows (tokens) runs as under `late-loops`, a larger one as under
-`late`. The PDL modes apply on devices of compute
+far below the 0.05-0.09 ms they were built to buy. The PDL modes apply on devices of compute
 capability >= 9.0 with a Triton that has grid dependency control. Only the edges into these
 kernels change: a kernel launched without PDL (a cuBLAS or cuDNN product, a copy) still starts
 after its predecessor has completed, as before, and must: the cuBLAS kernels of the Qwen3 step's
 products hold no `griddepcontrol.wait` (docs/benchmarks.md, "What PDL does not reach").
 
 `launch_args(tensor)` gives a kernel's keyword arguments: {"PDL": True, "launch_pdl": True} for a
-CUDA tensor where PDL applies (PDL 2 under `late`, 3 under `late-loops`; under `auto` by the
-tensor's first dimension, which every caller makes the launch's rows), else {"PDL": False};
+CUDA tensor where PDL applies (PDL 2 under `late`, 3 under `late-loops`), else {"PDL": False};
 each kernel starts with `pdl.pdl_wait(PDL)` and calls `pdl.pdl_trigger(PDL)` where its successor
 may launch.
 """
@@ -57,11 +54,7 @@ try:
 except ImportError:  # a Triton without grid dependency control: kernels launch as usual
     gdc_launch_dependents = gdc_wait = None
 
-MODES = ("off", "wait", "late", "late-loops", "auto")
-# `auto`: launches of fewer than AUTO_LATE_MIN_ROWS rows run as under `late-loops`, then up to
-# AUTO_WAIT_MIN_ROWS as under `late`, and from there as under `wait`.
-AUTO_LATE_MIN_ROWS = 256
-AUTO_WAIT_MIN_ROWS = 1024
+MODES = ("off", "wait", "late", "late-loops")
 
 
 def _mode_from_env() -> str:
@@ -91,15 +84,8 @@ _OFF = {"PDL": False}
 def launch_args(t: torch.Tensor) -> dict:
     """The launch's keyword arguments (shared dicts: spread them, never change them)."""
     if ENABLED and gdc_wait is not None and t.is_cuda and _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device()):
-        return args_for(MODE, t.shape[0])
+        return _LATE_BY_MODE.get(MODE, _ON)
     return _OFF
-
-
-def args_for(mode: str, rows: int) -> dict:
-    """A PDL mode's launch arguments for a launch of `rows` rows, where PDL applies."""
-    if mode == "auto":
-        mode = "late-loops" if rows < AUTO_LATE_MIN_ROWS else "late" if rows < AUTO_WAIT_MIN_ROWS else "wait"
-    return _LATE_BY_MODE.get(mode, _ON)
 
 
 @_jit
