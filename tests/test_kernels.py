@@ -193,25 +193,25 @@ def test_pdl_launch_args_off_the_gpu(monkeypatch):
     no launch option."""
     from florist.kernels import pdl
 
-    for enabled in (False, True):
-        monkeypatch.setattr(pdl, "ENABLED", enabled)
+    for mode in pdl.MODES:
+        monkeypatch.setattr(pdl, "MODE", mode)
         assert pdl.launch_args(torch.zeros(1)) == {"PDL": False}
 
 
-@pytest.mark.parametrize("value, enabled", [("", "True wait"), ("wait", "True wait"), (" Wait", "True wait"), ("off", "False off"), ("OFF", "False off"),
-                                            ("late", "True late"), ("Late-Loops", "True late-loops"), ("early", "error")])
-def test_pdl_mode_from_the_environment(value, enabled):
-    script = "from florist.kernels import pdl; print(pdl.ENABLED, pdl.MODE)"
+@pytest.mark.parametrize("value, mode", [("", "wait"), ("wait", "wait"), (" Wait", "wait"), ("off", "off"), ("OFF", "off"),
+                                         ("late", "late"), ("Late-Loops", "late-loops"), ("early", "error")])
+def test_pdl_mode_from_the_environment(value, mode):
+    script = "from florist.kernels import pdl; print(pdl.MODE)"
     env = _subprocess_env()
     env.pop("FLORIST_PDL", None)
     if value:
         env["FLORIST_PDL"] = value
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    if enabled == "error":
+    if mode == "error":
         assert proc.returncode != 0 and "FLORIST_PDL='early'" in proc.stderr
     else:
         assert proc.returncode == 0, proc.stderr[-2000:]
-        assert proc.stdout.strip() == enabled
+        assert proc.stdout.strip() == mode
 
 
 def _prefill_layer_chain(rows: int, seed: int):
@@ -304,11 +304,10 @@ def test_pdl_gives_the_same_bits(chain, rows, mode, monkeypatch):
     if pdl.gdc_wait is None:
         pytest.skip("this Triton has no grid dependency control")
     make = _prefill_layer_chain if chain == "qwen3" else _bert_layer_chain
-    monkeypatch.setattr(pdl, "ENABLED", False)
+    monkeypatch.setattr(pdl, "MODE", "off")
     static, forward = make(rows, seed=0)
     fresh, _ = make(rows, seed=1)
     want_static, want_fresh = forward(static), forward(fresh)
-    monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "MODE", mode)
     assert pdl.launch_args(static["word" if chain == "bert" else "x"])["PDL"] == {"wait": True, "late": 2, "late-loops": 3}[mode]
     for a, e in zip(forward(static), want_static):

@@ -67,7 +67,6 @@ def _mode_from_env() -> str:
 
 
 MODE = _mode_from_env()
-ENABLED = MODE != "off"
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
@@ -85,7 +84,7 @@ _OFF = {"PDL": False}
 
 def launch_args(t: torch.Tensor) -> dict:
     """The launch's keyword arguments (shared dicts: spread them, never change them)."""
-    if ENABLED and gdc_wait is not None and t.is_cuda and _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+    if MODE != "off" and gdc_wait is not None and t.is_cuda and _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device()):
         return _LATE_BY_MODE.get(MODE, _ON)
     return _OFF
 
