@@ -216,7 +216,8 @@ def test_pdl_mode_from_the_environment(value, mode):
 
 def _prefill_layer_chain(rows: int, seed: int):
     """A Qwen3-0.6B layer's florist kernels in the order the model launches them for one sequence
-    of `rows` tokens (cuBLAS for qkv, and for gate/up above 64 rows), on fresh random inputs."""
+    of `rows` tokens (the products as `skinny_gemm` picks them: the TMA product for qkv and
+    gate/up at 33-128 rows), on fresh random inputs."""
     from florist.kernels.short_attention import short_attention
     from florist.kernels.skinny_gemm import skinny_gemm
     from florist.layers.rotary import RotaryEmbedding
@@ -235,7 +236,7 @@ def _prefill_layer_chain(rows: int, seed: int):
 
     def forward(t):
         h, res = norms.add_rms_norm(t["x"], t["res"], t["w1"], eps)
-        q, k, v = torch.nn.functional.linear(h, t["qkv"]).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q, k, v = skinny_gemm(h, t["qkv"]).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
         q, k = rotary.qk_norm_rope(q.view(rows, heads, dim), k.view(rows, kv_heads, dim), t["qw"], t["kw"], eps, t["pos"], t["cache"])
         a = short_attention(q, k, v.view(rows, kv_heads, dim), t["cu"], rows, True, dim ** -0.5)
         h, res = norms.add_rms_norm(skinny_gemm(a.view(rows, heads * dim), t["o"], defer_reduce=True), res, t["w2"], eps)
@@ -340,11 +341,13 @@ def _hopper_ptx(fn, names_types: list[tuple[str, str]], const: dict, pdl_on: boo
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"].splitlines()
 
 
-def _assert_waits_first(lines: list[str], pdl_on: bool | int, one_pass: bool = False) -> None:
+def _assert_waits_first(lines: list[str], pdl_on: bool | int, one_pass: bool = False, loop_loads: str = "") -> None:
     """With PDL: one `griddepcontrol.wait`, before the first global load. Under `wait` (PDL True)
     no `launch_dependents`: the successor launches as the programs exit. Under `late` (2) one, for
     a kernel with a main loop after the loop's last load, for a one-pass kernel right after the wait
-    (`one_pass`); under `late-loops` (3) the former only. Without PDL: no grid dependency control."""
+    (`one_pass`); under `late-loops` (3) the former only. Without PDL: no grid dependency control.
+    `loop_loads`: what marks the main loop's loads, where the epilogue loads too (the trigger then
+    comes after the last of those, not of every load)."""
     wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
     trigger = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
     loads = [i for i, line in enumerate(lines) if "ld.global" in line or "cp.async" in line]
@@ -357,7 +360,8 @@ def _assert_waits_first(lines: list[str], pdl_on: bool | int, one_pass: bool = F
     elif one_pass:
         assert len(trigger) == 1 and wait[0] < trigger[0] < loads[0]
     else:
-        assert len(trigger) == 1 and wait[0] < loads[-1] < trigger[0]
+        last = [i for i in loads if loop_loads in lines[i]][-1]
+        assert len(trigger) == 1 and wait[0] < last < trigger[0]
 
 
 @pytest.mark.parametrize("pdl_on", [True, False, 2, 3])
@@ -404,11 +408,12 @@ def test_pdl_bert_kernels_compile_for_hopper(kernel, pdl_on):
 
 
 @pytest.mark.parametrize("pdl_on", [True, 2, 3])
-@pytest.mark.parametrize("kernel", ["rms_norm_partials", "rope", "short_attention", "tma_gemm"])
+@pytest.mark.parametrize("kernel", ["rms_norm_partials", "rope", "short_attention", "tma_gemm", "tma_gemm_swiglu", "qkv_rope"])
 def test_pdl_qwen3_kernels_compile_for_hopper(kernel, pdl_on):
-    """The kernels of the Qwen3 step at 128 tokens let their successor in where `_assert_waits_first`
-    says: the norm and rotary right after their wait under `late`, the attention and the TMA product
-    after their loops under `late` and `late-loops`."""
+    """The kernels of the Qwen3 step at 128 tokens (and the qkv + rotary product of 129-512) let
+    their successor in where `_assert_waits_first` says: the norm and rotary right after their wait
+    under `late`, the attention and the TMA products after their loops under `late` and `late-loops`."""
+    from florist.kernels import qkv_rope
     from florist.kernels import short_attention, skinny_gemm
 
     if kernel == "rms_norm_partials":
@@ -430,12 +435,22 @@ def test_pdl_qwen3_kernels_compile_for_hopper(kernel, pdl_on):
         args += [(n, "i32") for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")]
         const = dict(GROUPS=2, HEADS=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=32, BLOCK_N=64, CAUSAL=True, IEEE=False, FMA_SCALE=False,
                      MASK_TAIL=False)
+    elif kernel == "qkv_rope":
+        fn = qkv_rope._qkv_rope_kernel
+        args = [("x_desc", "tensordesc<bf16[64, 128]>"), ("w_desc", "tensordesc<bf16[128, 128]>"), ("out_ptr", "*bf16"), ("pos_ptr", "*i64"),
+                ("cache_ptr", "*fp32"), ("q_w_ptr", "*bf16"), ("k_w_ptr", "*bf16")]
+        args += [(n, "i32") for n in ("M", "N", "K", "stride_cache")] + [("eps", "fp32")] + [(n, "i32") for n in ("num_q_heads", "num_k_heads")]
+        const = dict(BLOCK_M=64, HEAD_DIM=128, BLOCK_K=128)
     else:
+        swiglu = kernel == "tma_gemm_swiglu"
         fn = skinny_gemm._tma_gemm_kernel
-        args = [("x_desc", "tensordesc<bf16[64, 128]>"), ("w_desc", "tensordesc<bf16[64, 128]>"), ("out_ptr", "*bf16")]
+        w_box = "tensordesc<bf16[2, 32, 128]>" if swiglu else "tensordesc<bf16[64, 128]>"
+        args = [("x_desc", "tensordesc<bf16[64, 128]>"), ("w_desc", w_box), ("out_ptr", "*bf16")]
         args += [(n, "i32") for n in ("M", "N", "K_PER_SPLIT")]
-        const = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PARTIAL=False, SILU_MUL=False)
-    _assert_waits_first(_hopper_ptx(fn, args, const, pdl_on), pdl_on, one_pass=kernel in ("rms_norm_partials", "rope"))
+        const = dict(BLOCK_M=64, BLOCK_N=32 if swiglu else 64, BLOCK_K=128, PARTIAL=False, SILU_MUL=swiglu)
+    # qkv + rotary loads the positions, cos/sin and norm weights after its loop: the trigger follows the loop's TMA loads
+    _assert_waits_first(_hopper_ptx(fn, args, const, pdl_on), pdl_on, one_pass=kernel in ("rms_norm_partials", "rope"),
+                        loop_loads="cp.async.bulk.tensor" if kernel == "qkv_rope" else "")
 
 
 def test_norm_row_blocking():
