@@ -27,8 +27,10 @@ right after its wait. Neither is the default: against `wait` on one H200 (docs/b
 Qwen3 1 x 128 step and nothing at 512, `late` 0.021 ms off at 512 and added 0.007 ms at 128, both
 far below the 0.05-0.09 ms they were built to buy. Picking one of them by the launch's rows was
 tried and dropped: on an H100 the gains and losses alternated from one graph bucket to the next
-(docs/benchmarks.md, "Each mode by the launch's rows"). The PDL modes apply on devices of compute
-capability >= 9.0 with a Triton that has grid dependency control. Only the edges into these
+(docs/benchmarks.md, "Each mode by the launch's rows"), and so was letting in only the products
+after an RMSNorm, to ask L2 for their weight while it runs ("Products let in after their norm,
+asking L2 for their weight": slower, the early launch alone too). The PDL modes apply on devices
+of compute capability >= 9.0 with a Triton that has grid dependency control. Only the edges into these
 kernels change: a kernel launched without PDL (a cuBLAS or cuDNN product, a copy) still starts
 after its predecessor has completed, as before, and must: the cuBLAS kernels of the Qwen3 step's
 products hold no `griddepcontrol.wait` (docs/benchmarks.md, "What PDL does not reach").
