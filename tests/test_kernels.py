@@ -413,8 +413,7 @@ def test_pdl_qwen3_kernels_compile_for_hopper(kernel, pdl_on):
     """The kernels of the Qwen3 step at 128 tokens (and the qkv + rotary product of 129-512) let
     their successor in where `_assert_waits_first` says: the norm and rotary right after their wait
     under `late`, the attention and the TMA products after their loops under `late` and `late-loops`."""
-    from florist.kernels import qkv_rope
-    from florist.kernels import short_attention, skinny_gemm
+    from florist.kernels import qkv_rope, short_attention, skinny_gemm
 
     if kernel == "rms_norm_partials":
         fn = norms._rms_norm_kernel

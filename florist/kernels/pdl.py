@@ -30,8 +30,8 @@ tried and dropped: on an H100 the gains and losses alternated from one graph buc
 (docs/benchmarks.md, "Each mode by the launch's rows"), and so was letting in only the products
 after an RMSNorm, to ask L2 for their weight while it runs ("Products let in after their norm,
 asking L2 for their weight": slower, the early launch alone too). The PDL modes apply on devices
-of compute capability >= 9.0 with a Triton that has grid dependency control. Only the edges into these
-kernels change: a kernel launched without PDL (a cuBLAS or cuDNN product, a copy) still starts
+of compute capability >= 9.0 with a Triton that has grid dependency control. Only the edges into
+these kernels change: a kernel launched without PDL (a cuBLAS or cuDNN product, a copy) still starts
 after its predecessor has completed, as before, and must: the cuBLAS kernels of the Qwen3 step's
 products hold no `griddepcontrol.wait` (docs/benchmarks.md, "What PDL does not reach").
 
