@@ -5,11 +5,15 @@
 
 Runs the torch profiler (CUDA activity only; kernels inside CUDA-graph replays are recorded too)
 over several steps after warm-up and prints, per kernel name, launches per step, average us and
-us per step, with the total kernel count and kernel time per step. Random-weight models of the
-named geometries, as bench/engine.py builds them. For batch-1 shapes it also prints the host
-side of a step: how long `step()` takes to return (p50 over 300 steps, no profiler running) and,
-from a CPU profile, the host time per step of each CUDA runtime call (cudaGraphLaunch is the
-graph's launch; a step's device work overlaps it).
+us per step, with the total kernel count and kernel time per step; then the step's critical path
+(`report.critical_path`): per kernel name, how much later the step ends because of it, and how
+much of that the device sat idle before it started (launch boundaries). Under programmatic
+dependent launch a kernel's duration includes its wait for the one before, so durations overlap
+and add up to more than the step; the critical path's shares add up to the step's span.
+Random-weight models of the named geometries, as bench/engine.py builds them. For batch-1
+shapes it also prints the host side of a step: how long `step()` takes to return (p50 over 300
+steps, no profiler running) and, from a CPU profile, the host time per step of each CUDA runtime
+call (cudaGraphLaunch is the graph's launch; a step's device work overlaps it).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from geometries import make_model  # noqa: E402
-from report import print_kernel_table  # noqa: E402
+from report import print_critical_path, print_kernel_table  # noqa: E402
 
 from florist import Engine  # noqa: E402
 from florist.engine.batch import HostBatch  # noqa: E402
@@ -79,7 +83,9 @@ def main() -> int:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(steps):
                     engine.step(host).numpy()
+                    time.sleep(0.001)  # idle time between steps, where critical_path splits them
             print_kernel_table(prof, steps, f"{name} {n} x {length}")
+            print_critical_path(prof, f"{name} {n} x {length}")
             if n == 1:
                 host_side(engine, host, f"{name} {n} x {length}")
         del engine
