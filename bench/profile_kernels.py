@@ -83,9 +83,9 @@ def main() -> int:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(steps):
                     engine.step(host).numpy()
-                    time.sleep(0.001)  # idle time between steps, where critical_path splits them
+                    time.sleep(0.001)  # idle time between steps: critical_path splits them there
             print_kernel_table(prof, steps, f"{name} {n} x {length}")
-            print_critical_path(prof, f"{name} {n} x {length}")
+            print_critical_path(prof, steps, f"{name} {n} x {length}")
             if n == 1:
                 host_side(engine, host, f"{name} {n} x {length}")
         del engine

@@ -86,50 +86,48 @@ def print_kernel_table(prof, steps: int, title: str, rows: int = 22) -> None:
         print(f"{count / steps:7.1f}/step {us / count:8.2f} us avg {us / steps:9.1f} us/step  {name}")
 
 
-def critical_path(spans: list[tuple[str, float, float]], gap_us: float = 200.0) -> tuple[list[float], dict[str, list]]:
+def critical_path(spans: list[tuple[str, float, float]], steps: int) -> tuple[list[float], dict[str, list]]:
     """What each kernel adds to a step's end: `spans` are device (name, start, end) times in us,
-    in any order, of several steps that ran one after another with idle time between them (a new
-    step starts where a kernel starts more than `gap_us` after every earlier one ended). Within a
-    step, taken by start time, a kernel ending after every earlier one moves the step's end by the
-    difference ("added"); the part of that which the device spent with nothing of the step
-    running before the kernel started is its "idle" share (a launch boundary). Under
-    programmatic dependent launch a kernel starts before its predecessor ends and its own
-    duration includes the wait, so durations overlap; the added times do not, and sum to the
-    step's span. Returns (each step's span, {name: [launches, added us, idle us]} summed over
-    the steps)."""
+    in any order, of `steps` steps that ran one after another with idle time between them (the
+    steps - 1 longest stretches with nothing running are taken as the breaks between steps).
+    Within a step, taken by start time, a kernel ending after every earlier one moves the step's
+    end by the difference ("added"); the part of that which the device spent with nothing of the
+    step running before the kernel started is its "idle" share (a launch boundary, or the host
+    late with the work). Under programmatic dependent launch a kernel starts before its
+    predecessor ends and its own duration includes the wait, so durations overlap; the added
+    times do not, and sum to the step's span. Returns (each step's span, {name: [launches, added
+    us, idle us]} summed over the steps)."""
     spans = sorted(spans, key=lambda s: s[1])
-    steps: list[list] = []
-    frontier = float("-inf")
-    for span in spans:
-        if span[1] - frontier > gap_us:
-            steps.append([])
-        steps[-1].append(span)
-        frontier = max(frontier, span[2])
+    gaps, frontier = [], float("-inf")
+    for i, (_, start, end) in enumerate(spans):
+        if i:
+            gaps.append((start - frontier, i))
+        frontier = max(frontier, end)
+    cuts = sorted(i for _, i in sorted(gaps, reverse=True)[: max(0, steps - 1)])
     totals: list[float] = []
     agg: dict[str, list] = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for step in steps:
-        frontier = step[0][1]
-        for name, start, end in step:
+    for a, b in zip([0] + cuts, cuts + [len(spans)]):
+        frontier = spans[a][1]
+        for name, start, end in spans[a:b]:
             entry = agg[name]
             entry[0] += 1
             entry[1] += max(0.0, end - frontier)
             entry[2] += max(0.0, min(start, end) - frontier)
             frontier = max(frontier, end)
-        totals.append(frontier - step[0][1])
+        totals.append(frontier - spans[a][1])
     return totals, agg
 
 
-def print_critical_path(prof, title: str, rows: int = 16) -> None:
-    """`critical_path` of a torch profiler run whose steps were separated by idle time: per kernel
-    name, launches per step and the us per step it added to the step's end, of which idle."""
+def print_critical_path(prof, steps: int, title: str, rows: int = 16) -> None:
+    """`critical_path` of a torch profiler run over `steps` steps separated by idle time: per
+    kernel name, launches per step and the us per step it added to the step's end, of which idle."""
     import statistics
 
     spans = [(e.name[:70], e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not spans:
         return
-    totals, agg = critical_path(spans)
-    n = len(totals)
-    idle = sum(v[2] for v in agg.values()) / n
-    print(f"\n== {title}, critical path: {n} steps, span p50 {statistics.median(totals):.1f} us, of which idle {idle:.1f} us a step")
+    totals, agg = critical_path(spans, steps)
+    idle = sum(v[2] for v in agg.values()) / steps
+    print(f"\n== {title}, critical path: {steps} steps, span p50 {statistics.median(totals):.1f} us, of which idle {idle:.1f} us a step")
     for name, (count, added, idle_us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:rows]:
-        print(f"{count / n:7.1f}/step {added / n:9.1f} us added {idle_us / n:7.1f} idle  {name}")
+        print(f"{count / steps:7.1f}/step {added / steps:9.1f} us added {idle_us / steps:7.1f} idle  {name}")

@@ -99,27 +99,29 @@ def test_breakdown_shapes_are_parsed_and_bad_ones_refused():
 
 def test_critical_path_adds_up_to_each_steps_span(capsys):
     """bench/report.py's critical path (bench/profile_kernels.py): overlapping kernels (a
-    dependent launch waiting inside the one before) add only what ends later, an idle gap is
-    charged to the kernel after it, and steps split at the idle time between them."""
+    dependent launch waiting inside the one before) add only what ends later, an idle stretch
+    inside a step is charged to the kernel after it, and the steps split at the longest idle
+    stretches, however long one inside a step is."""
     from types import SimpleNamespace
 
     sys.path.insert(0, str(ROOT / "bench"))
     from report import critical_path, print_critical_path
 
-    spans = [("norm", 8.0, 15.0), ("gemm", 0.0, 10.0), ("rope", 17.0, 20.0),  # step 1, out of order
-             ("gemm", 1000.0, 1010.0), ("norm", 1012.0, 1014.0), ("rope", 1013.0, 1014.0)]  # step 2: rope inside norm
-    totals, agg = critical_path(spans)
-    assert totals == [20.0, 14.0]
+    spans = [("norm", 8.0, 15.0), ("gemm", 0.0, 10.0), ("rope", 317.0, 320.0),  # step 1, out of order, 302 us idle before rope
+             ("gemm", 2000.0, 2010.0), ("norm", 2012.0, 2014.0), ("rope", 2013.0, 2014.0)]  # step 2: rope inside norm
+    totals, agg = critical_path(spans, 2)
+    assert totals == [320.0, 14.0]
     assert agg["gemm"] == [2, 20.0, 0.0]
     assert agg["norm"] == [2, 5.0 + 4.0, 2.0]
-    assert agg["rope"] == [2, 5.0, 2.0]
+    assert agg["rope"] == [2, 305.0, 302.0]
     assert sum(v[1] for v in agg.values()) == sum(totals)
+    assert critical_path(spans, 3)[0] == [15.0, 3.0, 14.0]  # three steps asked for: the idle stretch is a break
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     events = [SimpleNamespace(name=n, device_type=cuda, time_range=SimpleNamespace(start=a, end=b)) for n, a, b in spans]
     events.append(SimpleNamespace(name="host", device_type=cpu, time_range=SimpleNamespace(start=5.0, end=5000.0)))
-    print_critical_path(SimpleNamespace(events=lambda: events), "t")
+    print_critical_path(SimpleNamespace(events=lambda: events), 2, "t")
     out = capsys.readouterr().out.splitlines()
-    assert "2 steps, span p50 17.0 us, of which idle 2.0 us a step" in out[1]
-    assert out[2].split()[:3] == ["1.0/step", "10.0", "us"] and out[2].endswith("gemm")
-    assert [line.split()[-1] for line in out[2:]] == ["gemm", "norm", "rope"]
+    assert "2 steps, span p50 167.0 us, of which idle 152.0 us a step" in out[1]
+    assert out[2].split()[:5] == ["1.0/step", "152.5", "us", "added", "151.0"] and out[2].endswith("rope")
+    assert [line.split()[-1] for line in out[2:]] == ["rope", "gemm", "norm"]
