@@ -175,7 +175,9 @@ def pick_tma(m: int, n: int, k: int, silu_mul: bool = False, deferred: bool = Fa
       - narrow output, long K, reduction deferred to the norm (Qwen3 o 1024 x 2048, down 1024 x
         3072): 4.4 vs 4.6 and 5.0 vs 5.5 (the pointer kernel, K split 4) at 128 rows; 4.9 vs 6.5
         and 6.0 vs 8.0 (cuBLAS, not split) at 192, 5.0 vs 6.8 and 6.1 vs 8.0 at 256, the norm
-        after them summing 2-4 MB of fp32 partials (measured in the engine: docs/benchmarks.md)."""
+        after them summing 2-4 MB of fp32 partials (measured in the engine: docs/benchmarks.md);
+        at 384-512 rows, K split 2, they added 0.12-0.18 ms to the engine's step against cuBLAS
+        onto the residual (docs/benchmarks.md, "o and down at 257-512 rows by TMA"), so none there."""
     if not 32 < m <= 512:
         return None
     if silu_mul:
