@@ -112,7 +112,7 @@ def critical_path(spans: list[tuple[str, float, float]], steps: int) -> tuple[li
             entry = agg[name]
             entry[0] += 1
             entry[1] += max(0.0, end - frontier)
-            entry[2] += max(0.0, min(start, end) - frontier)
+            entry[2] += max(0.0, start - frontier)
             frontier = max(frontier, end)
         totals.append(frontier - spans[a][1])
     return totals, agg
