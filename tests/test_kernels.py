@@ -120,6 +120,37 @@ def test_tma_products_are_picked_only_where_measured():
     assert not sg.tma_applies(x, w, silu_mul=True)  # CPU tensors
 
 
+def test_tma_config_rules_come_before_the_table(monkeypatch):
+    """FLORIST_TMA_CONFIG (for A/B runs): its rules parse, bad ones are refused with the form in
+    the message, the first rule matching a product's kind and rows wins over `pick_tma`'s table
+    (off included), other kinds and rows keep the table, and a rule's K must split into whole blocks."""
+    from florist.kernels import skinny_gemm as sg
+
+    G = sg.GemmConfig
+    assert sg.parse_tma_rules("pick") == sg.parse_tma_rules(" ") == ()
+    rules = sg.parse_tma_rules("narrow:257-512=128x128x64/4/8/4; swiglu:129-192=off;wide:1-64=64X32x128/1/4/3")
+    assert rules == (sg.TmaRule("narrow", 257, 512, G(128, 128, 64, 4, 8, 4, tma=True)), sg.TmaRule("swiglu", 129, 192, None),
+                     sg.TmaRule("wide", 1, 64, G(64, 32, 128, 1, 4, 3, tma=True)))
+    for bad, says in (("narrow:257-512", "KIND:LO-HI="), ("qkv:1-64=off", "KIND must be"), ("wide:64-1=off", "LO <= HI"),
+                      ("wide:1-64=96x32x64/1/4/3", "powers of two"), ("wide:1-64=64x32x64/1/3/3", "WARPS"), ("wide:1-6x=off", "KIND:LO-HI=")):
+        with pytest.raises(ValueError, match=says):
+            sg.parse_tma_rules(bad)
+
+    o, down, gate_up, qkv = (1024, 2048), (1024, 3072), (6144, 1024), (4096, 1024)
+    table = {m: sg.pick_tma(m, *gate_up, silu_mul=True) for m in (128, 160, 320)}
+    assert sg.pick_tma(384, *o, deferred=True) is None and table[160] is None
+    monkeypatch.setattr(sg, "TMA_RULES", rules + (sg.TmaRule("narrow", 300, 400, None),))
+    assert sg.pick_tma(384, *o, deferred=True) == sg.pick_tma(512, *down, deferred=True) == G(128, 128, 64, 4, 8, 4, tma=True)
+    assert sg.pick_tma(384, *o) is None  # not deferred: not the narrow kind
+    assert sg.pick_tma(256, *o, deferred=True) == sg._tma_table(256, "narrow")  # rows outside every rule: the table
+    assert sg.pick_tma(160, *gate_up, silu_mul=True) is None and sg.pick_tma(128, *gate_up, silu_mul=True) == table[128]
+    assert sg.pick_tma(64, *qkv) == G(64, 32, 128, 1, 4, 3, tma=True)
+    assert sg.pick_tma(300, 1024, 2112, deferred=True) is None  # 2112 is not whole 4 x 64 blocks
+    proc = subprocess.run([sys.executable, "-c", "from florist.kernels import skinny_gemm as sg; print(sg.pick_tma(384, 1024, 2048, deferred=True))"],
+                          env={**os.environ, "FLORIST_TMA_CONFIG": "narrow:257-512=128x128x64/4/8/4"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "block_m=128, block_n=128, block_k=64, split_k=4" in proc.stdout, proc.stderr[-2000:]
+
+
 def test_qk_norm_rope_reference_is_the_composition():
     """The fused op's reference is exactly what Qwen3Attention did before: rms_norm, then rotary."""
     t = _sample_inputs("cpu")

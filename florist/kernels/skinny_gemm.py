@@ -162,6 +162,76 @@ def pick_config(m: int, n: int, k: int, silu_mul: bool = False, gelu: bool = Fal
     return None
 
 
+TMA_KINDS = ("swiglu", "narrow", "wide")
+
+
+@dataclass(frozen=True)
+class TmaRule:
+    """One rule of FLORIST_TMA_CONFIG: products of `kind` with lo..hi rows (both included) run
+    `config`, or leave the Hopper form (None: the pointer kernel's table or cuBLAS)."""
+    kind: str
+    lo: int
+    hi: int
+    config: GemmConfig | None
+
+
+def parse_tma_rules(text: str) -> tuple[TmaRule, ...]:
+    """FLORIST_TMA_CONFIG's text: "pick" (or empty) for `pick_tma`'s own table, else rules
+    separated by ";", each KIND:LO-HI=BMxBNxBK/SPLIT/WARPS/STAGES or KIND:LO-HI=off, where KIND
+    is swiglu (gate/up with SwiGLU), narrow (o / down, their reduction deferred to the norm) or
+    wide (qkv: N >= 2K). E.g. "narrow:257-512=128x128x64/4/8/4"."""
+    text = text.strip()
+    if text.lower() in ("", "pick"):
+        return ()
+    rules = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        try:
+            head, value = part.split("=")
+            kind, rows = head.split(":")
+            lo, hi = (int(v) for v in rows.split("-"))
+            if value.strip().lower() == "off":
+                config = None
+            else:
+                tiles, split, warps, stages = value.split("/")
+                bm, bn, bk = (int(v) for v in tiles.lower().split("x"))
+                config = GemmConfig(bm, bn, bk, int(split), int(warps), int(stages), tma=True)
+        except ValueError:
+            raise ValueError(f"FLORIST_TMA_CONFIG rule {part!r}: expected KIND:LO-HI=BMxBNxBK/SPLIT/WARPS/STAGES or "
+                             f"KIND:LO-HI=off, e.g. narrow:257-512=128x128x64/4/8/4") from None
+        kind = kind.strip().lower()
+        if kind not in TMA_KINDS:
+            raise ValueError(f"FLORIST_TMA_CONFIG rule {part!r}: KIND must be one of {', '.join(TMA_KINDS)}")
+        if not 1 <= lo <= hi:
+            raise ValueError(f"FLORIST_TMA_CONFIG rule {part!r}: rows LO-HI need 1 <= LO <= HI")
+        if config is not None:
+            pow2 = lambda v, lo_, hi_: lo_ <= v <= hi_ and v & (v - 1) == 0  # noqa: E731
+            if not (pow2(config.block_m, 16, 256) and pow2(config.block_n, 16, 256) and pow2(config.block_k, 16, 256)):
+                raise ValueError(f"FLORIST_TMA_CONFIG rule {part!r}: tiles must be powers of two from 16 to 256")
+            if not (config.split_k >= 1 and config.num_warps in (1, 2, 4, 8, 16) and 1 <= config.num_stages <= 8):
+                raise ValueError(f"FLORIST_TMA_CONFIG rule {part!r}: SPLIT >= 1, WARPS 1/2/4/8/16, STAGES 1-8")
+        rules.append(TmaRule(kind, lo, hi, config))
+    return tuple(rules)
+
+
+# FLORIST_TMA_CONFIG puts rules before `pick_tma`'s table (the first rule matching a product's
+# kind and rows wins), so bench/ab.py can time a configuration in the engine without editing the
+# table: `python bench/ab.py --env FLORIST_TMA_CONFIG=pick,narrow:257-512=128x128x64/4/8/4 --
+# python bench/engine.py --only breakdown --breakdown-tokens 384,512 --no-baseline`. Read at import.
+TMA_RULES = parse_tma_rules(os.environ.get("FLORIST_TMA_CONFIG", "pick"))
+
+
+def tma_kind(n: int, k: int, silu_mul: bool = False, deferred: bool = False) -> str | None:
+    """Which of `pick_tma`'s kinds a product is: gate/up with SwiGLU, a narrow output over a long
+    K whose reduction the caller defers (o, down), a wide output (qkv), or none of them."""
+    if silu_mul:
+        return "swiglu"
+    if deferred and k >= 2048 and n <= 2048:
+        return "narrow"
+    if n >= 2 * k:
+        return "wide"
+    return None
+
+
 def pick_tma(m: int, n: int, k: int, silu_mul: bool = False, deferred: bool = False) -> GemmConfig | None:
     """The Hopper form's configuration for a shape, or None where the pointer kernel or cuBLAS is
     as fast. `bench/gemm.py --tma --sweep` on the H200 (docs/benchmarks.md, "Skinny products by TMA"),
@@ -177,38 +247,44 @@ def pick_tma(m: int, n: int, k: int, silu_mul: bool = False, deferred: bool = Fa
         and 6.0 vs 8.0 (cuBLAS, not split) at 192, 5.0 vs 6.8 and 6.1 vs 8.0 at 256, the norm
         after them summing 2-4 MB of fp32 partials (measured in the engine: docs/benchmarks.md);
         at 384-512 rows, K split 2, they added 0.12-0.18 ms to the engine's step against cuBLAS
-        onto the residual (docs/benchmarks.md, "o and down at 257-512 rows by TMA"), so none there."""
+        onto the residual (docs/benchmarks.md, "o and down at 257-512 rows by TMA"), so none there.
+    FLORIST_TMA_CONFIG's rules (`TMA_RULES`) come first; a configuration whose K does not split
+    into whole blocks is never run (None), the rules' included."""
+    kind = tma_kind(n, k, silu_mul, deferred)
+    rule = next((r for r in TMA_RULES if r.kind == kind and r.lo <= m <= r.hi), None)
+    config = rule.config if rule is not None else _tma_table(m, kind)
+    return config if config is not None and k % (config.split_k * config.block_k) == 0 else None
+
+
+def _tma_table(m: int, kind: str | None) -> GemmConfig | None:
+    """`pick_tma`'s measured table, by kind and rows."""
     if not 32 < m <= 512:
         return None
-    if silu_mul:
+    if kind == "swiglu":
         if m <= 64:
-            config = GemmConfig(64, 32, 128, 1, 4, 5, tma=True)
-        elif m <= 128:
-            config = GemmConfig(64, 32, 128, 1, 4, 3, tma=True)
-        elif m <= 192:
-            config = None  # 9.6 vs 9.4 us at 192 rows
-        elif m <= 256:
-            config = GemmConfig(128, 64, 64, 1, 8, 5, tma=True)
-        else:
-            config = GemmConfig(128, 32, 64, 1, 4, 3, tma=True)
-    elif deferred and k >= 2048 and n <= 2048:
+            return GemmConfig(64, 32, 128, 1, 4, 5, tma=True)
+        if m <= 128:
+            return GemmConfig(64, 32, 128, 1, 4, 3, tma=True)
+        if m <= 192:
+            return None  # 9.6 vs 9.4 us at 192 rows
+        if m <= 256:
+            return GemmConfig(128, 64, 64, 1, 8, 5, tma=True)
+        return GemmConfig(128, 32, 64, 1, 4, 3, tma=True)
+    if kind == "narrow":
         if m <= 64:
-            config = None
-        elif m <= 128:
-            config = GemmConfig(64, 64, 128, 4, 4, 5, tma=True)
-        elif m <= 192:
-            config = GemmConfig(64, 32, 128, 4, 4, 3, tma=True)
-        elif m <= 256:
-            config = GemmConfig(64, 64, 128, 2, 4, 5, tma=True)
-        else:
-            config = None
-    elif n >= 2 * k and m <= 128:
-        config = GemmConfig(64, 64, 128, 1, 4, 5, tma=True)
-    elif n >= 2 * k and 448 < m:  # 8.3 vs 7.6 us at 384 rows: cuBLAS below
-        config = GemmConfig(128, 128, 64, 1, 4, 5, tma=True)
-    else:
-        config = None
-    return config if config is not None and k % (config.split_k * config.block_k) == 0 else None
+            return None
+        if m <= 128:
+            return GemmConfig(64, 64, 128, 4, 4, 5, tma=True)
+        if m <= 192:
+            return GemmConfig(64, 32, 128, 4, 4, 3, tma=True)
+        if m <= 256:
+            return GemmConfig(64, 64, 128, 2, 4, 5, tma=True)
+        return None
+    if kind == "wide" and m <= 128:
+        return GemmConfig(64, 64, 128, 1, 4, 5, tma=True)
+    if kind == "wide" and 448 < m:  # 8.3 vs 7.6 us at 384 rows: cuBLAS below
+        return GemmConfig(128, 128, 64, 1, 4, 5, tma=True)
+    return None
 
 
 def tma_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False, gelu: bool = False) -> bool:
