@@ -15,7 +15,9 @@ generate.py and serve.py do; serve.py's rows are florist's figures of every cell
 `-- python bench/serve.py --scenarios 4 --florist-only` compares a serving setting). With `--args
 A --args B ...` in place of `--env`, a setting is extra arguments put after the command (before
 `--json FILE`), e.g. `--args "" --args "--serve-flags=--in-process"`; an empty one adds
-nothing. It then prints, for every measured value (a row's
+nothing. `--env` given more than once sets several variables together, setting i taking each
+variable's i-th value (each `--env` lists as many), e.g. `--env A=1,1,2,2 --env B=x,y,x,y` runs
+the four combinations. It then prints, for every measured value (a row's
 florist figure and its numeric extras, e.g. the breakdown's `gpu_ms`), each setting's figure
 per round and their median, and for every setting after the first, the median of its
 round-by-round difference to the first and in how many rounds it was ahead (lower is ahead
@@ -79,22 +81,50 @@ def file_safe(setting: str) -> str:
 
 
 ARGS = "args"  # the name under which --args settings are shown and filed
+ENVS = "env"  # ... and settings of several variables at once (each "A=1 B=x")
 
 
 def label(name: str, setting: str) -> str:
-    """How a setting is printed: NAME=VALUE, or args="..." for extra arguments."""
+    """How a setting is printed: NAME=VALUE, args="..." for extra arguments, or the variables'
+    NAME=VALUE pairs as they are."""
+    if name == ENVS:
+        return setting
     return f'{name}="{setting}"' if name == ARGS else f"{name}={setting}"
+
+
+def zip_envs(specs: list[tuple[str, list[str]]]) -> list[str]:
+    """Several `--env` specs -> one setting per position, each "A=1 B=x" (values quoted as a
+    shell would need). Each spec must list as many values, and no variable may come twice."""
+    names = [name for name, _ in specs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"a variable given in two --env: {names}")
+    if len({len(values) for _, values in specs}) != 1:
+        raise ValueError("each --env must list as many settings (setting i takes each variable's i-th value)")
+    settings = [" ".join(f"{name}={shlex.quote(v)}" for name, v in zip(names, values)) for values in zip(*(v for _, v in specs))]
+    if len(set(settings)) < len(settings):
+        raise ValueError("two settings set every variable alike")
+    return settings
+
+
+def environment(name: str, setting: str) -> tuple[dict[str, str], list[str]]:
+    """The process environment and extra arguments a setting runs with."""
+    if name == ARGS:
+        return {**os.environ}, shlex.split(setting)
+    if name == ENVS:
+        return {**os.environ, **dict(pair.split("=", 1) for pair in shlex.split(setting))}, []
+    return {**os.environ, name: setting}, []
 
 
 def run_rounds(command: list[str], name: str, settings: list[str], rounds: int, timeout: float, out: Path | None) -> list[dict]:
     """-> one entry per run: {"round", "setting", "seconds", "rows"} (rows None if the run failed).
-    `name` is the environment variable the settings are given to, or ARGS: they are arguments."""
+    `name` is the environment variable the settings are given to, ARGS (they are arguments) or
+    ENVS (each sets several variables: `zip_envs`)."""
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for setting in settings if r % 2 == 0 else settings[::-1]:
                 rows_file = (out or Path(tmp)) / f"round{r}-{name}-{file_safe(setting) or 'none'}.json"
-                env, extra = ({**os.environ}, shlex.split(setting)) if name == ARGS else ({**os.environ, name: setting}, [])
+                env, extra = environment(name, setting)
                 started = time.perf_counter()
                 try:
                     proc = subprocess.run([*command, *extra, "--json", str(rows_file)], env=env, capture_output=True, text=True, timeout=timeout)
@@ -157,7 +187,9 @@ def main() -> None:
                                 epilog="Example:\n  python bench/ab.py --env FLORIST_PDL=off,wait --rounds 3 -- "
                                        "python bench/engine.py --only breakdown --no-baseline")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--env", type=parse_env, metavar="NAME=V1,V2[,...]", help="the variable and its settings (the first is the reference)")
+    what.add_argument("--env", type=parse_env, action="append", metavar="NAME=V1,V2[,...]",
+                      help="the variable and its settings (the first is the reference); more than once: several variables set "
+                           "together, setting i taking each one's i-th value")
     what.add_argument("--args", action="append", metavar="ARGS",
                       help="a setting made of extra arguments for the command (shell words; \"\" for none); give two or more, "
                            "the first is the reference")
@@ -171,8 +203,13 @@ def main() -> None:
         p.error("give the bench command after --")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    if args.env:
-        name, settings = args.env
+    if args.env and len(args.env) > 1:
+        try:
+            name, settings = ENVS, zip_envs(args.env)
+        except ValueError as e:
+            p.error(str(e))
+    elif args.env:
+        name, settings = args.env[0]
     else:
         name, settings = ARGS, args.args
         if len(settings) < 2 or len(set(settings)) < len(settings):
@@ -183,7 +220,7 @@ def main() -> None:
     table = compare(runs, settings)
     print_table(table, name, settings)
     if args.out:
-        summary = {"command": command, "env": name, "settings": settings, "rounds": args.rounds,
+        summary = {"command": command, "env": " ".join(n for n, _ in args.env) if name == ENVS else name, "settings": settings, "rounds": args.rounds,
                    "runs": [{k: v for k, v in run.items() if k != "rows"} | {"ok": run["rows"] is not None} for run in runs], "table": table}
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     if any(run["rows"] is None for run in runs):

@@ -50,6 +50,23 @@ def test_settings_as_extra_arguments(tmp_path, monkeypatch):
     assert 'args="--x b"' in proc.stdout and 'args=""' in proc.stdout
 
 
+def test_several_variables_set_together(tmp_path, monkeypatch):
+    """--env twice: setting i takes each variable's i-th value, in one process environment."""
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("AB_LOG", str(log))
+    proc = run_bench("ab.py", "--env", "AB_X=a,a,b", "--env", "AB_Y=p,q r,p", "--rounds", "2", "--out", str(tmp_path / "out"), "--", *STAND_IN,
+                     timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert log.read_text().splitlines() == ["a+p", "a+q r", "b+p", "b+p", "a+q r", "a+p"]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["env"] == "AB_X AB_Y" and summary["settings"] == ["AB_X=a AB_Y=p", "AB_X=a AB_Y='q r'", "AB_X=b AB_Y=p"]
+    step = {(e["row"], e["value"]): e["settings"] for e in summary["table"]}[("step [p50]", "florist")]
+    assert step["AB_X=b AB_Y=p"]["figures"] == pytest.approx([1.52, 1.53]) and step["AB_X=b AB_Y=p"]["ahead"] == 2
+    assert step["AB_X=a AB_Y='q r'"]["figures"] == pytest.approx([2.01, 2.04])
+    assert len(list((tmp_path / "out").glob("round*-env-AB_X_a_AB_Y__q_r_.json"))) == 2
+    assert "AB_X=b AB_Y=p" in proc.stdout
+
+
 def test_a_failed_run_is_shown_and_fails_the_comparison(tmp_path, monkeypatch):
     monkeypatch.setenv("AB_LOG", str(tmp_path / "calls.log"))
     proc = run_bench("ab.py", "--env", "AB_X=a,boom", "--rounds", "1", "--", *STAND_IN, timeout=120)
@@ -66,7 +83,9 @@ def test_a_run_past_its_timeout_is_stopped_and_fails_the_comparison(tmp_path):
 
 @pytest.mark.parametrize("args", [["--env", "AB_X=a", "--", "true"], ["--env", "AB_X", "--", "true"], ["--env", "AB_X=a,b"],
                                   ["--env", "AB_X=a,,b", "--", "true"], ["--args", "x", "--", "true"], ["--args", "x", "--args", "x", "--", "true"],
-                                  ["--env", "AB_X=a,b", "--args", "x", "--args", "y", "--", "true"], ["--rounds", "1", "--", "true"]])
+                                  ["--env", "AB_X=a,b", "--args", "x", "--args", "y", "--", "true"], ["--rounds", "1", "--", "true"],
+                                  ["--env", "AB_X=a,b", "--env", "AB_Y=p,q,r", "--", "true"], ["--env", "AB_X=a,b", "--env", "AB_X=c,d", "--", "true"],
+                                  ["--env", "AB_X=a,a", "--env", "AB_Y=p,p", "--", "true"]])
 def test_bad_arguments_are_refused(args):
     proc = run_bench("ab.py", *args, timeout=60)
     assert proc.returncode == 2 and "usage" in proc.stderr

@@ -1,7 +1,7 @@
 """A stand-in bench command for tests/test_bench_ab.py: records one timed row (with a gpu_ms
 extra) and one rate row whose figures depend on its setting ($AB_X, or `--x VALUE` when given)
-and on how many runs came before it (the lines of $AB_LOG, to which it appends its setting),
-then writes them with --json."""
+and on how many runs came before it (the lines of $AB_LOG, to which it appends its setting, and
+"+$AB_Y" where that is set), then writes them with --json."""
 
 import argparse
 import os
@@ -21,7 +21,7 @@ if setting == "boom":
 log = Path(os.environ["AB_LOG"])
 calls = len(log.read_text().splitlines()) if log.exists() else 0
 with log.open("a") as f:
-    f.write(setting + "\n")
+    f.write(setting + (f"+{os.environ['AB_Y']}" if "AB_Y" in os.environ else "") + "\n")
 ms = {"a": 2.0, "b": 1.5}[setting] + 0.01 * calls
 record("step", "p50", ms, None, "ms", {"gpu_ms": ms - 0.1, "florist_pct": {"p50": ms, "p99": ms + 1, "n": 200}})
 record("batch", "emb/s", 100.0 / ms, None, "emb/s")
