@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from geometries import make_model  # noqa: E402
+from geometries import make_model, shapes_arg  # noqa: E402
 from report import florist_env, print_kernel_table, print_summary, percentiles, record, sync, time_calls  # noqa: E402
 
 from florist import Engine  # noqa: E402
@@ -244,17 +244,6 @@ def last_token_ab(engine: Engine, name: str, n: int = 100, seqlen: int = 512, re
             rates[flag].append(n / (statistics.median(time_calls(lambda: florist_embed(engine, seqs), 3, 1)) / 1e3))
     model.last_token_only = True
     record(f"{name} {n} x {seqlen}, final layer last tokens only", "emb/s", statistics.median(rates[True]), statistics.median(rates[False]), "emb/s")
-
-
-def shapes_arg(value: str) -> list[tuple[int, int]]:
-    """'1x128,100x256' -> [(1, 128), (100, 256)]."""
-    try:
-        shapes = [tuple(int(x) for x in part.lower().split("x")) for part in value.split(",") if part]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
-        raise argparse.ArgumentTypeError(f"{value!r}: expected BATCHxTOKENS[,BATCHxTOKENS...], e.g. 1x128,100x256")
-    return shapes
 
 
 def main():

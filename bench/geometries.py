@@ -7,6 +7,7 @@ benchmarks send pre-tokenized ids.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -66,3 +67,14 @@ def make_model(path: Path, geometry: str, *, variant: str = "embed", dtype: torc
         pooling = "lasttoken" if (family == "qwen3" and variant == "embed") else "mean"
         tiny._st_files(path, pooling, normalize=variant == "embed", max_len=g["max_position_embeddings"], dim=g["hidden_size"])
     return path
+
+
+def shapes_arg(value: str) -> list[tuple[int, int]]:
+    """'1x128,100x256' -> [(1, 128), (100, 256)]."""
+    try:
+        shapes = [tuple(int(x) for x in part.lower().split("x")) for part in value.split(",") if part]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected BATCHxTOKENS[,BATCHxTOKENS...], e.g. 1x128,100x256")
+    return shapes

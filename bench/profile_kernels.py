@@ -2,6 +2,7 @@
 
     python bench/profile_kernels.py                 # Qwen3-0.6B 1 x 128 / 1 x 512 / 100 x 512, MiniLM 1 x 128 / 100 x 256, decode
     python bench/profile_kernels.py --only minilm   # one part: qwen3, minilm, decode (comma list)
+    python bench/profile_kernels.py --only qwen3 --shapes 1x512   # these shapes in place of a part's own
 
 Runs the torch profiler (CUDA activity only; kernels inside CUDA-graph replays are recorded too)
 over several steps after warm-up and prints, per kernel name, launches per step, average us and
@@ -30,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from geometries import make_model  # noqa: E402
+from geometries import make_model, shapes_arg  # noqa: E402
 from report import print_critical_path, print_kernel_table  # noqa: E402
 
 from florist import Engine  # noqa: E402
@@ -62,7 +63,10 @@ def host_side(engine: Engine, host: HostBatch, title: str, n: int = 300) -> None
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)} (default: all)")
-    parts = set(filter(None, ap.parse_args().only.split(",")))
+    ap.add_argument("--shapes", type=shapes_arg, default=None,
+                    help="BATCHxTOKENS[,...]: profile these shapes in each part chosen (default: qwen3 1x128,1x512,100x512; minilm 1x128,100x256)")
+    args = ap.parse_args()
+    parts = set(filter(None, args.only.split(",")))
     if parts - set(PARTS):
         ap.error(f"unknown parts {sorted(parts - set(PARTS))}; choose from {', '.join(PARTS)}")
     if not torch.cuda.is_available():
@@ -74,6 +78,7 @@ def main() -> int:
                                           ("minilm-l6", torch.float16, "minilm", [(1, 128), (100, 256)])):
         if name not in parts:
             continue
+        shapes = args.shapes or shapes
         engine = Engine.from_pretrained(make_model(tmp / name, geometry, dtype=dtype), device="cuda", dtype=dtype)
         for n, length in shapes:
             host = HostBatch.from_sequences([rng.integers(0, engine.info.vocab_size, length).astype(np.int32) for _ in range(n)])

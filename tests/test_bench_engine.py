@@ -38,6 +38,11 @@ def test_profile_kernels_refuses_unknown_parts():
     assert proc.returncode == 2 and "unknown parts ['bert']" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_profile_kernels_refuses_bad_shapes():
+    proc = run_bench("profile_kernels.py", "--only", "qwen3", "--shapes", "1x512,100", timeout=120)
+    assert proc.returncode == 2 and "expected BATCHxTOKENS" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_print_kernel_table_counts_per_step(capsys):
     """bench/report.py's kernel table (bench/profile_kernels.py, bench/engine.py --only profile)."""
     from types import SimpleNamespace
