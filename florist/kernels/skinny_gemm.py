@@ -247,7 +247,9 @@ def pick_tma(m: int, n: int, k: int, silu_mul: bool = False, deferred: bool = Fa
         and 6.0 vs 8.0 (cuBLAS, not split) at 192, 5.0 vs 6.8 and 6.1 vs 8.0 at 256, the norm
         after them summing 2-4 MB of fp32 partials (measured in the engine: docs/benchmarks.md);
         at 384-512 rows, K split 2, they added 0.12-0.18 ms to the engine's step against cuBLAS
-        onto the residual (docs/benchmarks.md, "o and down at 257-512 rows by TMA"), so none there.
+        onto the residual (docs/benchmarks.md, "o and down at 257-512 rows by TMA"), and 128 x 128
+        tiles split 4 added 0.17 ms at 512 (an H100: "A 512-row layer with every edge
+        programmatic"), so none there.
     FLORIST_TMA_CONFIG's rules (`TMA_RULES`) come first; a configuration whose K does not split
     into whole blocks is never run (None), the rules' included."""
     kind = tma_kind(n, k, silu_mul, deferred)
