@@ -49,7 +49,7 @@ def compile_kernel(geometry: str, block_m: int, block_n: int, warps: int, stages
 
     groups, head_dim, dtype, causal = GEOMETRIES[geometry]
     consts = dict(GROUPS=groups, HEADS=groups if pack else 1, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
-                  BLOCK_N=block_n, CAUSAL=causal, IEEE=False, FMA_SCALE=lean, MASK_TAIL=lean and not causal, PDL=True)
+                  BLOCK_N=block_n, CAUSAL=causal, IEEE=False, FMA_SCALE=lean, MASK_TAIL=lean and not causal, SEQ_LAST=False, PDL=True)
     signature = {name: kind.format(t=dtype) for name, kind in ARGS.items()} | {name: "constexpr" for name in consts}
     names = list(signature)
     src = ASTSource(fn=sa._short_attention_kernel, signature=signature,

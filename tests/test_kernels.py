@@ -464,7 +464,7 @@ def test_pdl_qwen3_kernels_compile_for_hopper(kernel, pdl_on):
         args = [(n, "*bf16") for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")] + [("cu_ptr", "*i32"), ("num_tokens", "i32"), ("qk_scale", "fp32")]
         args += [(n, "i32") for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")]
         const = dict(GROUPS=2, HEADS=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=32, BLOCK_N=64, CAUSAL=True, IEEE=False, FMA_SCALE=False,
-                     MASK_TAIL=False)
+                     MASK_TAIL=False, SEQ_LAST=False)
     elif kernel == "qkv_rope":
         fn = qkv_rope._qkv_rope_kernel
         args = [("x_desc", "tensordesc<bf16[64, 128]>"), ("w_desc", "tensordesc<bf16[128, 128]>"), ("out_ptr", "*bf16"), ("pos_ptr", "*i64"),

@@ -103,6 +103,27 @@ def _case(dtype, lens, hq, hkv, d, causal, *, pad=0, max_seqlen=None, nonfinite=
     return case
 
 
+def _same_bits_across_grid_orders(dtype, lens, hq, hkv, d, causal, *, pad=0, launch=None):
+    """The grid with its slots axis last (`seq_last`, FLORIST_SHORT_SEQ_LAST) gives the same
+    bits as the default order: each program's work is the same, only its place in the grid moves."""
+
+    def case(gen, device, big):
+        sizes = [n * 3 if big and n > 1 else n for n in lens]
+        t = sum(sizes) + pad
+        q, k, v = _qkv(gen, t, hq, hkv, d, dtype, device)
+        if pad:
+            for x in (q, k, v):
+                x[t - pad :, :, 0] = float("nan")
+        cu = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+        run = lambda last: _run_poisoned(lambda: short.short_attention_triton(q, k, v, cu, max(sizes), causal, d**-0.5,  # noqa: E731
+                                                                            seq_last=last, **(launch or {})))
+        a, b = run(False), run(True)
+        assert torch.equal(a.cpu(), b.cpu())
+        assert torch.equal(a[t - pad :].cpu(), torch.zeros_like(a[t - pad :]).cpu())
+
+    return case
+
+
 def _build_cases():
     cases = {}
     ragged = [1, 7, 33, 100]
@@ -145,6 +166,15 @@ def _build_cases():
     # ... under a register cap (FLORIST_SHORT_LEAN_LAUNCH's MAXNREG; the sweep's --maxnreg), which spills
     cases["fp16-bidir-tiles-128x64-lean-capped"] = _case(torch.float16, [7, 33, 130, 100, 0], 2, 2, 32, False, pad=3,
                                                          launch=dict(lean, maxnreg=96))
+    # The slots axis last (FLORIST_SHORT_SEQ_LAST): a graph bucket's one sequence and its dummy,
+    # with padding, packed heads and the one-sequence tiles; and against the default order's bits.
+    for name, dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
+        cases[f"{name}-causal-seq-last-bucket"] = _case(dtype, [100, 0], 4, 2, 128, True, pad=7, nonfinite=True,
+                                                        launch=dict(seq_last=True, blocks=(32, 64), pack_groups=True))
+        cases[f"{name}-bidir-seq-last-one-sequence"] = _case(dtype, [33], 2, 1, 32, False, launch=dict(seq_last=True))
+        cases[f"{name}-causal-seq-last-same-bits"] = _same_bits_across_grid_orders(dtype, [70, 0], 4, 2, 64, True, pad=5,
+                                                                                   launch=dict(blocks=(16, 32)))
+    cases["fp16-causal-seq-last-ragged"] = _case(torch.float16, [7, 33, 100], 4, 2, 32, True, pad=3, launch=dict(seq_last=True))
     return cases
 
 
@@ -300,6 +330,19 @@ def test_the_ragged_bound_moves_with_its_environment_variable(monkeypatch):
     assert _choice(_graph_batch([100, 7, 33])) == "varlen"
     assert _choice(_graph_batch([256] * 100), width=12 * 32) == "varlen"
     assert _choice(_graph_batch([100])) == "triton"  # one sequence: SHORT_SINGLE_MAX_WORK decides
+
+
+def test_the_slots_go_last_in_the_grid_only_when_asked(monkeypatch):
+    """FLORIST_SHORT_SEQ_LAST (for A/B runs; off by default): read at import; it puts the slots
+    axis last for launches of at most two slots (a graph bucket's one sequence and its dummy)."""
+    if "FLORIST_SHORT_SEQ_LAST" not in os.environ:
+        assert not short.SEQ_LAST_ENABLED and not short.seq_last_default(2)
+    assert short.launch_grid(16, 2, 8, False) == (16, 2, 8) and short.launch_grid(16, 2, 8, True) == (16, 8, 2)
+    code = "from florist.kernels import short_attention as s; print([s.seq_last_default(b) for b in (1, 2, 3, 100)])"
+    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, env={**os.environ, "FLORIST_SHORT_SEQ_LAST": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[-2] == "[True, True, False, False]"
 
 
 def test_the_lean_launch_moves_with_its_environment_variable(monkeypatch):

@@ -3,7 +3,8 @@
     q [T, Hq, D], k/v [T, Hkv, D] (Hq = GROUPS * Hkv; any token / head strides, last dim
     contiguous: views of the fused qkv output), cu_seqlens int32 [B+1]  ->  out [T, Hq, D]
 
-    grid (cdiv(max_seqlen, BLOCK_M), B, Hq / HEADS): program (m, b, h) holds the query rows
+    grid (cdiv(max_seqlen, BLOCK_M), B, Hq / HEADS) (or, FLORIST_SHORT_SEQ_LAST, the last two
+    swapped for B <= 2): program (m, b, h) holds the query rows
     cu[b] + m*BLOCK_M .. +BLOCK_M of HEADS query heads (1, or all GROUPS heads of a kv head:
     `pack_groups`, so a key tile is read once per group) and streams the keys of sequence b (kv
     head h*HEADS // GROUPS, read in place: grouped-query heads are never copied) in BLOCK_N tiles
@@ -74,6 +75,15 @@ def _lean_launch_from_env() -> tuple[int, int]:
 
 
 LEAN_WARPS, LEAN_MAXNREG = _lean_launch_from_env()
+# A graph bucket of one sequence holds two sequence slots (the second an empty dummy), so the grid
+# (query blocks, slots, head groups) interleaves each head group's real programs with as many that
+# exit at once, and the block scheduler, filling one program an SM before a second, pairs real
+# programs on one SM (the causal longest with each other among them) while others hold a dummy.
+# FLORIST_SHORT_SEQ_LAST=1 orders the grid (query blocks, head groups, slots) for launches of at
+# most two slots: the real programs first, one an SM where they fit. Off until timed in the engine
+# (docs/benchmarks.md, "A 512-row layer with every edge programmatic": the kernel added 14.3 us a
+# launch at 1 x 512 in the step, against ~10.2 alone on an H100); the bits are the same either way.
+SEQ_LAST_ENABLED = os.environ.get("FLORIST_SHORT_SEQ_LAST", "0") != "0"
 _LOG2E = 1.4426950408889634
 
 
@@ -157,16 +167,28 @@ def launch_config(max_seqlen: int, head_dim: int, groups: int, num_tokens: int =
     return dict(blocks=(min(32, fit), min(block_n, fit)), num_warps=4, num_stages=3, pack_groups=groups > 1)
 
 
+def seq_last_default(num_seqs: int) -> bool:
+    """Whether a launch over `num_seqs` slots puts them last in its grid unless told: under
+    FLORIST_SHORT_SEQ_LAST, for at most two slots."""
+    return SEQ_LAST_ENABLED and num_seqs <= 2
+
+
+def launch_grid(query_blocks: int, num_seqs: int, head_groups: int, seq_last: bool) -> tuple[int, int, int]:
+    """(query blocks, slots, head groups), or with `seq_last` (query blocks, head groups, slots)."""
+    return (query_blocks, head_groups, num_seqs) if seq_last else (query_blocks, num_seqs, head_groups)
+
+
 def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                            causal: bool, scale: float, blocks: tuple[int, int] | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, pack_groups: bool | None = None, lean: bool | None = None,
-                           maxnreg: int | None = None) -> torch.Tensor:
+                           maxnreg: int | None = None, seq_last: bool | None = None) -> torch.Tensor:
     """The kernel; `blocks` (BLOCK_M, BLOCK_N), `num_warps`, `num_stages`, `pack_groups` and
     `maxnreg` (registers a thread, 0: no cap) override `launch_config`'s choice (for
     `bench/attention.py --sweep`; None: the choice, which caps nothing unless
     FLORIST_SHORT_LEAN_LAUNCH asks). `pack_groups`: one program holds all the query heads of a kv
     head (GROUPS x BLOCK_M rows), so each key tile is read once per group instead of once per
-    query head."""
+    query head. `seq_last`: the grid's slots axis last (None: FLORIST_SHORT_SEQ_LAST, for at most
+    two slots)."""
     assert _supported(q, k, v, cu_seqlens), (
         f"unsupported input: q {q.dtype} {tuple(q.shape)} strides {q.stride()}, k {k.dtype} {tuple(k.shape)} strides "
         f"{k.stride()}, v {v.dtype} {tuple(v.shape)} strides {v.stride()}, cu_seqlens {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
@@ -191,13 +213,14 @@ def short_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     lean = config.get("lean", False) if lean is None else lean
     maxnreg = config.get("maxnreg", 0) if maxnreg is None else maxnreg
     heads = groups if pack_groups else 1  # query heads per program
-    grid = (triton.cdiv(max_seqlen, block_m), num_seqs, num_heads // heads)
+    seq_last = seq_last_default(num_seqs) if seq_last is None else seq_last
+    grid = launch_grid(triton.cdiv(max_seqlen, block_m), num_seqs, num_heads // heads, seq_last)
     _short_attention_kernel[grid](
         q, k, v, out, cu_seqlens, num_tokens, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, IEEE=q.dtype == torch.float32,
-        FMA_SCALE=lean and q.dtype != torch.float32 and scale > 0, MASK_TAIL=lean and not causal,
+        FMA_SCALE=lean and q.dtype != torch.float32 and scale > 0, MASK_TAIL=lean and not causal, SEQ_LAST=seq_last,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(q), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out
@@ -208,22 +231,25 @@ def _short_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, num_tokens, qk
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             GROUPS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                            FMA_SCALE: tl.constexpr, MASK_TAIL: tl.constexpr, PDL: tl.constexpr):
+                            FMA_SCALE: tl.constexpr, MASK_TAIL: tl.constexpr, SEQ_LAST: tl.constexpr, PDL: tl.constexpr):
     pdl.pdl_wait(PDL)
     # Query blocks are taken last to first: under a causal mask the last ones see the most keys,
     # so the longest programs start first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq, head0 = tl.program_id(1), tl.program_id(2) * HEADS
+    # The grid is (query blocks, slots, head groups), or with SEQ_LAST (query blocks, head groups, slots).
+    SEQ_AXIS: tl.constexpr = 2 if SEQ_LAST else 1
+    HEAD_AXIS: tl.constexpr = 1 if SEQ_LAST else 2
+    seq, head0 = tl.program_id(SEQ_AXIS), tl.program_id(HEAD_AXIS) * HEADS
     seq_start = tl.load(cu_ptr + seq)
     seq_end = tl.load(cu_ptr + seq + 1)
     n = seq_end - seq_start
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    out_row = HEAD_DIM * HEADS * tl.num_programs(2)  # out is contiguous [T, Hq, D]
+    out_row = HEAD_DIM * HEADS * tl.num_programs(HEAD_AXIS)  # out is contiguous [T, Hq, D]
 
     # The last sequence's programs also zero the rows after it (tokens outside every sequence),
     # strided over the m programs; without padding the loop does not run.
-    if seq == tl.num_programs(1) - 1:
+    if seq == tl.num_programs(SEQ_AXIS) - 1:
         pad = seq_end + m_block * BLOCK_M
         while pad < num_tokens:
             rows = pad + tl.arange(0, BLOCK_M)
