@@ -80,9 +80,10 @@ LEAN_WARPS, LEAN_MAXNREG = _lean_launch_from_env()
 # exit at once, and the block scheduler, filling one program an SM before a second, pairs real
 # programs on one SM (the causal longest with each other among them) while others hold a dummy.
 # FLORIST_SHORT_SEQ_LAST=1 orders the grid (query blocks, head groups, slots) for launches of at
-# most two slots: the real programs first, one an SM where they fit. Off until timed in the engine
-# (docs/benchmarks.md, "A 512-row layer with every edge programmatic": the kernel added 14.3 us a
-# launch at 1 x 512 in the step, against ~10.2 alone on an H100); the bits are the same either way.
+# most two slots: the real programs first, one an SM where they fit; the bits are the same either
+# way. Off, for A/B runs: at 1 x 512 in the step it cut the kernel from 14.3 to 11.3 us a launch,
+# level with cuDNN there; nothing measurable at 128-256 tokens; MiniLM's 1 x 128 step lost 0.026 ms
+# (docs/benchmarks.md, "The short kernel's slots last in its grid").
 SEQ_LAST_ENABLED = os.environ.get("FLORIST_SHORT_SEQ_LAST", "0") != "0"
 _LOG2E = 1.4426950408889634
 
