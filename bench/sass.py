@@ -39,8 +39,9 @@ ALIGNED = [name for name in ARGS if name.endswith("_ptr") or name.startswith("st
 
 
 def compile_kernel(geometry: str, block_m: int, block_n: int, warps: int, stages: int, lean: bool, maxnreg: int | None,
-                   pack: bool = False):
-    """The compiled kernel (Triton's CompiledKernel) for sm_90."""
+                   pack: bool = False, seq_last: bool = False):
+    """The compiled kernel (Triton's CompiledKernel) for sm_90; `seq_last`: the grid's slots axis
+    last (FLORIST_SHORT_SEQ_LAST's order)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -49,7 +50,7 @@ def compile_kernel(geometry: str, block_m: int, block_n: int, warps: int, stages
 
     groups, head_dim, dtype, causal = GEOMETRIES[geometry]
     consts = dict(GROUPS=groups, HEADS=groups if pack else 1, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
-                  BLOCK_N=block_n, CAUSAL=causal, IEEE=False, FMA_SCALE=lean, MASK_TAIL=lean and not causal, SEQ_LAST=False, PDL=True)
+                  BLOCK_N=block_n, CAUSAL=causal, IEEE=False, FMA_SCALE=lean, MASK_TAIL=lean and not causal, SEQ_LAST=seq_last, PDL=True)
     signature = {name: kind.format(t=dtype) for name, kind in ARGS.items()} | {name: "constexpr" for name in consts}
     names = list(signature)
     src = ASTSource(fn=sa._short_attention_kernel, signature=signature,
@@ -99,15 +100,17 @@ def main(argv=None) -> None:
     p.add_argument("--lean", choices=("on", "off"), default="on", help="the lean key loop (launch_config's for narrow heads' batch tiles)")
     p.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps a thread (0: none)")
     p.add_argument("--pack", action="store_true", help="one program holds a kv head's query heads (launch_config's pack_groups)")
+    p.add_argument("--seq-last", action="store_true", help="the grid's slots axis last (FLORIST_SHORT_SEQ_LAST's order)")
     p.add_argument("--top", type=int, default=12, help="opcodes of the key loop to list (default 12)")
     args = p.parse_args(argv)
-    print(f"short attention, {args.geometry}, {args.block_m} x {args.block_n} tiles{', packed' if args.pack else ''}, {args.stages} stages, "
-          f"lean {args.lean}, sm_90")
+    print(f"short attention, {args.geometry}, {args.block_m} x {args.block_n} tiles{', packed' if args.pack else ''}"
+          f"{', slots last' if args.seq_last else ''}, {args.stages} stages, lean {args.lean}, sm_90")
     print(f"{'warps':>5s} {'cap':>4s} {'regs':>5s} {'spill B':>8s} {'loop instr':>10s} {'a score':>8s}   commonest in the loop")
     rows = args.block_m * (GEOMETRIES[args.geometry][0] if args.pack else 1)
     for warps in args.warps:
         for cap in args.maxnreg:
-            kernel = compile_kernel(args.geometry, args.block_m, args.block_n, warps, args.stages, args.lean == "on", cap or None, args.pack)
+            kernel = compile_kernel(args.geometry, args.block_m, args.block_n, warps, args.stages, args.lean == "on", cap or None, args.pack,
+                                    args.seq_last)
             regs, spill = resources(kernel)
             ops = key_loop(cuobjdump(kernel, "-sass"))
             per_score = len(ops) / (rows * args.block_n / (32 * warps))

@@ -65,3 +65,16 @@ def test_packed_heads_count_a_score_over_the_kv_head_s_rows():
     (row,) = [line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0] == "4"]
     loop_instructions, per_score = int(row[4]), float(row[5])
     assert loop_instructions > 0 and per_score == pytest.approx(loop_instructions / (2 * 32 * 64 / 128), abs=0.01)
+
+
+@pytest.mark.skipif(not _compiles_for_sm90(), reason="needs Triton's NVIDIA backend (ptxas, cuobjdump)")
+def test_seq_last_compiles_the_other_grid_order():
+    """--seq-last compiles the kernel with the slots axis last (FLORIST_SHORT_SEQ_LAST): a program
+    reads its sequence from the grid's third axis, so the kernel differs, and the header says so."""
+    grid_order = bench_sass.compile_kernel("minilm-l6", 64, 128, 4, 3, False, None)
+    seq_last = bench_sass.compile_kernel("minilm-l6", 64, 128, 4, 3, False, None, seq_last=True)
+    assert grid_order.asm["ptx"] != seq_last.asm["ptx"]
+    out = run_bench("sass.py", "--block-m", "64", "--block-n", "128", "--lean", "off", "--seq-last", "--warps", "4", "--top", "3",
+                    timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "64 x 128 tiles, slots last" in out.stdout
