@@ -152,7 +152,9 @@ def _flex_backend() -> AttentionFn:
 #   12.5) and MiniLM's 512 / 1,024 (5.8 / 13.0 against 9.1 / 13.9), but in the engine Qwen3's
 #   1 x 512 step took 1.74-1.80 ms of device time with it against 1.69-1.72 with cuDNN (one
 #   machine, alternating; docs/benchmarks.md; +0.06 ms again on an H100, 2026-12-07:
-#   "A 512-row layer with every edge programmatic"), so the bound stays where it was measured to pay;
+#   "A 512-row layer with every edge programmatic"; with its grid's slots last, FLORIST_SHORT_SEQ_LAST,
+#   level with cuDNN: "The short kernel's slots last in its grid"), so the bound stays where it
+#   was measured to pay;
 # - ragged batches, graph buckets among them (a bucket's batch, dummy included, is never "equal
 #   lengths"), of sequences up to 4,096 tokens (`bench/attention.py --buckets`): varlen took
 #   1.34-1.89x the kernel's time for MiniLM (100 x 256: 82.4 against 54.6 us) and
