@@ -339,7 +339,7 @@ def buckets(args) -> None:
             seqs = batch.cu_seqlens.shape[0] - 1
             cfg = sa.launch_config(batch.max_seqlen, d, hq // hkv, t, seqs)
             tiles = f"{cfg['blocks'][0]} x {cfg['blocks'][1]}{', packed' if cfg['pack_groups'] else ''}{', lean' if cfg.get('lean') else ''}"
-            choice = auto_choice(batch, t, causal, True, hq * d)
+            choice = auto_choice(batch, t, causal, True, hq * d, d)
             print(f"{'causal' if causal else 'bidirectional':13s} {label:18s} {t:7d} {seqs:5d} {batch.max_seqlen:7d} {tv:8.2f} {tk:8.2f} "
                   f"{tv / tk:12.2f}x  {choice:7s} {tiles}" + (f"  {tf:8.2f}" if args.flex else ""), flush=True)
 

@@ -220,26 +220,35 @@ def test_short_attention_gpu(case):
     assert result == "ok", result
 
 
+SLOTS_LAST_BOUND = (1 << 28) - 1  # FLORIST_SHORT_SINGLE_SLOTS_LAST_MAX_WORK of the H100 run: Qwen3's 448-token bucket, not its 512
+
+
 @pytest.mark.gpu
-def test_short_attention_replays_from_a_cuda_graph():
+@pytest.mark.parametrize("length, choice", [(100, "triton"), (300, "triton_slots_last"), (448, "triton_slots_last")])
+def test_short_attention_replays_from_a_cuda_graph(length, choice, monkeypatch):
+    """"auto" in a graph bucket of one Qwen3-0.6B-like causal sequence (16 / 8 heads of 128), as
+    the engine captures it (with the slots-last bound of the H100 run): the grid order it picks,
+    then replays on fresh inputs."""
+    monkeypatch.setattr(attention, "SHORT_SINGLE_SLOTS_LAST_MAX_WORK", SLOTS_LAST_BOUND)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = _qkv(gen, 128, 16, 8, 128, torch.bfloat16, "cuda")
-    host = HostBatch.from_sequences([[1] * 100])
+    host = HostBatch.from_sequences([[1] * length])
     tokens, seqs, max_seqlen, exact = bucket(host)
+    q, k, v = _qkv(gen, tokens, 16, 8, 128, torch.bfloat16, "cuda")
     batch = views(torch.from_numpy(pack(host, tokens, seqs)).cuda(), tokens, seqs, False, max_seqlen=max_seqlen,
                   seq_lens_host=(), single_sequence=True, has_padding=not exact)
+    assert attention.auto_choice(batch, tokens, True, True, 16 * 128, 128) == choice
     fn = attention.select_backend("auto", torch.device("cuda"))
     fn(q, k, v, batch, True, 128**-0.5)  # compiles before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn(q, k, v, batch, True, 128**-0.5)
     for _ in range(2):
-        fresh = _qkv(gen, 128, 16, 8, 128, torch.bfloat16, "cuda")
+        fresh = _qkv(gen, tokens, 16, 8, 128, torch.bfloat16, "cuda")
         for static, new in zip((q, k, v), fresh):
             static.copy_(new)
         graph.replay()
         ref = short.short_attention_ref(q, k, v, batch.cu_seqlens, True, 128**-0.5)
-        torch.testing.assert_close(out[:100], ref[:100], rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out[:length], ref[:length], rtol=2e-2, atol=2e-2)
 
 
 # -- dispatch ------------------------------------------------------------------------------------
@@ -251,8 +260,12 @@ def _graph_batch(lens):
                  seq_lens_host=(), single_sequence=seqs == 2, has_padding=not exact)
 
 
-def _choice(batch, causal=True, short_kernel=True, width=16 * 128):
-    return attention.auto_choice(batch, batch.num_tokens, causal, short_kernel, width)
+QWEN3, MINILM = (16, 128), (12, 32)  # query heads, head_dim
+
+
+def _choice(batch, causal=True, short_kernel=True, geometry=QWEN3):
+    heads, head_dim = geometry
+    return attention.auto_choice(batch, batch.num_tokens, causal, short_kernel, heads * head_dim, head_dim)
 
 
 def _eager_batch(lens):
@@ -260,37 +273,39 @@ def _eager_batch(lens):
 
 
 def test_auto_takes_the_short_kernel_where_it_was_measured_faster():
-    qwen3, minilm = 16 * 128, 12 * 32  # query heads x head_dim
+    qwen3, minilm = QWEN3, MINILM
     for causal in (True, False):
         for make in (_eager_batch, _graph_batch):
             # one sequence: while tokens x max_seqlen x width stays small
-            assert _choice(make([128]), causal, width=qwen3) == "triton"
-            assert _choice(make([1]), causal, width=qwen3) == "triton"
-            assert _choice(make([256]), causal, width=minilm) == "triton"
-            assert (_choice(make([512]), causal, width=minilm) == "triton") == causal
-            assert _choice(make([100]), causal, width=qwen3) == "triton"  # graph bucket: 128 tokens, longest 128
+            assert _choice(make([128]), causal, geometry=qwen3) == "triton"
+            assert _choice(make([1]), causal, geometry=qwen3) == "triton"
+            assert _choice(make([256]), causal, geometry=minilm) == "triton"
+            assert (_choice(make([512]), causal, geometry=minilm) == "triton") == causal
+            assert _choice(make([100]), causal, geometry=qwen3) == "triton"  # graph bucket: 128 tokens, longest 128
             # causal work counts half: Qwen3's causal 256 tokens take the kernel, bidirectional not
-            assert (_choice(make([256]), causal, width=qwen3) == "triton") == causal
-            assert (_choice(make([200]), causal, width=qwen3) == "triton") == causal
-            assert _choice(make([384]), causal, width=qwen3) != "triton"
-            assert _choice(make([512]), causal, width=qwen3) != "triton"
+            assert (_choice(make([256]), causal, geometry=qwen3) == "triton") == causal
+            assert (_choice(make([200]), causal, geometry=qwen3) == "triton") == causal
+            # past it cuDNN (SHORT_SINGLE_SLOTS_LAST_MAX_WORK is off by default)
+            for n in (257, 384, 512):
+                assert not _choice(make([n]), causal, geometry=qwen3).startswith("triton")
             # ragged batches, whatever the width
-            assert _choice(make([100, 7, 33]), causal, width=qwen3) == "triton"
-            assert _choice(make([200, 150, 180, 90]), causal, width=qwen3) == "triton"
-            assert _choice(make([4096, 512, 3000]), causal, width=qwen3) == "triton"
-            assert _choice(make([4097, 5]), causal, width=qwen3) == "varlen"  # past SHORT_RAGGED_MAX_SEQLEN
+            assert _choice(make([100, 7, 33]), causal, geometry=qwen3) == "triton"
+            assert _choice(make([200, 150, 180, 90]), causal, geometry=qwen3) == "triton"
+            assert _choice(make([4096, 512, 3000]), causal, geometry=qwen3) == "triton"
+            assert _choice(make([4097, 5]), causal, geometry=qwen3) == "varlen"  # past SHORT_RAGGED_MAX_SEQLEN
     # Equal lengths run eagerly as one dense SDPA call (faster there, e.g. Qwen3 100 x 512); a
     # graph bucket's batch is never of equal lengths (its dummy holds the padding), so it takes
     # the kernel, however many sequences it holds.
     assert _choice(_eager_batch([128] * 8)) == "sdpa_batched"
-    assert _choice(_eager_batch([128] * 8), width=12 * 32) == "sdpa_batched"
+    assert _choice(_eager_batch([128] * 8), geometry=MINILM) == "sdpa_batched"
     assert _choice(_eager_batch([512] * 100)) == "sdpa_batched"
     assert _choice(_graph_batch([128] * 8)) == "triton"
-    assert _choice(_graph_batch([256] * 100), width=12 * 32) == "triton"
+    assert _choice(_graph_batch([256] * 100), geometry=MINILM) == "triton"
     assert _choice(_eager_batch([300, 5])) == "triton"
-    # One sequence above the work bound, as before.
-    assert _choice(_eager_batch([257])) == "sdpa_batched"
-    assert _choice(_graph_batch([257])) == "sdpa_single"  # causal single sequence over the bucket
+    # One sequence above both work bounds, as before.
+    assert _choice(_eager_batch([512])) == "sdpa_batched"
+    assert _choice(_graph_batch([480])) == "sdpa_single"  # causal single sequence over the bucket
+    assert _choice(_graph_batch([480]), causal=False) == "varlen"
     assert _choice(_graph_batch([257]), causal=False) == "varlen"
     # Where the kernel does not apply (no triton, an unsupported layout), as before.
     assert _choice(_eager_batch([128]), short_kernel=False) == "sdpa_batched"
@@ -328,7 +343,7 @@ def test_the_ragged_bound_moves_with_its_environment_variable(monkeypatch):
     assert _choice(_graph_batch([100, 7, 33])) == "triton"
     monkeypatch.setattr(attention, "SHORT_RAGGED_MAX_SEQLEN", 0)
     assert _choice(_graph_batch([100, 7, 33])) == "varlen"
-    assert _choice(_graph_batch([256] * 100), width=12 * 32) == "varlen"
+    assert _choice(_graph_batch([256] * 100), geometry=MINILM) == "varlen"
     assert _choice(_graph_batch([100])) == "triton"  # one sequence: SHORT_SINGLE_MAX_WORK decides
 
 
@@ -399,8 +414,8 @@ def test_auto_backend_calls_the_kernel(monkeypatch):
     """The wiring: on a short batch "auto" launches short_attention_triton (faked here: no CUDA)."""
     calls = []
 
-    def fake_kernel(q, k, v, cu_seqlens, max_seqlen, causal, scale):
-        calls.append((q.shape, max_seqlen, causal))
+    def fake_kernel(q, k, v, cu_seqlens, max_seqlen, causal, scale, **options):
+        calls.append((q.shape, max_seqlen, causal, options))
         return torch.zeros_like(q)
 
     monkeypatch.setattr(short, "applies", lambda *args: True)
@@ -408,7 +423,43 @@ def test_auto_backend_calls_the_kernel(monkeypatch):
     fn = attention.select_backend("auto", torch.device("cpu"))
     q, k, v = _qkv(torch.Generator().manual_seed(0), 128, 4, 2, 32, torch.float32, "cpu")
     fn(q, k, v, _graph_batch([100]), False, 32**-0.5)
-    assert calls == [((128, 4, 32), 128, False)]
+    assert calls == [((128, 4, 32), 128, False, {})]
+    # one causal sequence of wide heads past SHORT_SINGLE_MAX_WORK, under the slots-last bound
+    monkeypatch.setattr(attention, "SHORT_SINGLE_SLOTS_LAST_MAX_WORK", SLOTS_LAST_BOUND)
+    q, k, v = _qkv(torch.Generator().manual_seed(0), 320, 16, 8, 128, torch.float32, "cpu")
+    fn(q, k, v, _graph_batch([300]), True, 128**-0.5)
+    assert calls[1] == ((320, 16, 128), 320, True, {"seq_last": True})
+
+
+def test_the_slots_last_bound_moves_with_its_environment_variable(monkeypatch):
+    """FLORIST_SHORT_SINGLE_SLOTS_LAST_MAX_WORK: read at import, 0 (off) unless set; past
+    SHORT_SINGLE_MAX_WORK, one causal sequence of heads wider than 64 takes the kernel with its
+    slots last up to that work; a value that is no whole number is refused by name."""
+    def bound_at_import(value: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "FLORIST_SHORT_SINGLE_SLOTS_LAST_MAX_WORK": value}
+        return subprocess.run([sys.executable, "-c", "from florist.layers import attention; print(attention.SHORT_SINGLE_SLOTS_LAST_MAX_WORK)"],
+                              check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    if "FLORIST_SHORT_SINGLE_SLOTS_LAST_MAX_WORK" not in os.environ:
+        assert attention.SHORT_SINGLE_SLOTS_LAST_MAX_WORK == 0
+    proc = bound_at_import(str(SLOTS_LAST_BOUND))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) == SLOTS_LAST_BOUND
+    monkeypatch.setattr(attention, "SHORT_SINGLE_SLOTS_LAST_MAX_WORK", 0)
+    assert _choice(_graph_batch([384])) == "sdpa_single"
+    monkeypatch.setattr(attention, "SHORT_SINGLE_SLOTS_LAST_MAX_WORK", SLOTS_LAST_BOUND)
+    for causal in (True, False):
+        for make in (_eager_batch, _graph_batch):
+            assert _choice(make([128]), causal) == "triton"  # SHORT_SINGLE_MAX_WORK's range is not this bound's
+            for n in (257, 300, 384, 448):
+                choice = _choice(make([n]), causal)
+                assert choice == "triton_slots_last" if causal else not choice.startswith("triton")
+                assert not _choice(make([n]), causal, geometry=(32, 64)).startswith("triton")  # the same width in heads of 64
+            assert not _choice(make([512]), causal).startswith("triton")
+            assert _choice(make([100, 300]), causal) == "triton"  # ragged batches: the grid order
+    assert not _choice(_graph_batch([449])).startswith("triton")  # the 512-token bucket
+    bad = bound_at_import("lots")
+    assert bad.returncode != 0 and "FLORIST_SHORT_SINGLE_SLOTS_LAST_MAX_WORK" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_triton_backend_takes_the_reference_on_cpu():

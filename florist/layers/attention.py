@@ -172,6 +172,17 @@ SHORT_RAGGED_MAX_SEQLEN = int_from_env("FLORIST_SHORT_RAGGED_MAX_SEQLEN", 4096)
 # bidirectional ones up to 418 (390 in a graph bucket, whose tokens are rounded up to 64).
 # FLORIST_SHORT_SINGLE_MAX_WORK moves the bound (for A/B runs of bench/engine.py).
 SHORT_SINGLE_MAX_WORK = int_from_env("FLORIST_SHORT_SINGLE_MAX_WORK", 1 << 26)
+# Past that bound, one causal sequence of wide heads (head_dim > 64) may take the kernel with its
+# grid's slots axis last (the real programs first, one an SM) up to this much work. Off (0) by
+# default for now. Both settings of FLORIST_SHORT_SEQ_LAST=1 and a bound of 2^28 - 1 give the same
+# launches at Qwen3-0.6B's 320-448-token buckets (2^28 is its 512, where the kernel only drew level
+# with cuDNN); an H100 ran those steps ahead of cuDNN in 8 of 9 rounds, the rounds' median
+# differences -0.10 / -0.02 / -0.06 ms at 320 / 384 / 448 tokens ("One causal sequence past 256
+# tokens, the slots last", docs/benchmarks.md). This dispatch has not yet run its GPU tests.
+# Narrow heads (MiniLM lost with the slots last) and bidirectional wide heads (not measured) keep
+# SHORT_SINGLE_MAX_WORK alone. FLORIST_SHORT_SINGLE_SLOTS_LAST_MAX_WORK sets the bound (2^28 - 1
+# for the run above).
+SHORT_SINGLE_SLOTS_LAST_MAX_WORK = int_from_env("FLORIST_SHORT_SINGLE_SLOTS_LAST_MAX_WORK", 0)
 # The final layer of a last-token model (Attention.forward_last) runs the whole attention up to
 # this many tokens in the batch and keeps each sequence's last row; above, the last queries alone.
 # On the H200 (docs/benchmarks.md, "The last-token layer's small kernels") the Qwen3-0.6B 1 x 128
@@ -181,15 +192,18 @@ SHORT_SINGLE_MAX_WORK = int_from_env("FLORIST_SHORT_SINGLE_MAX_WORK", 1 << 26)
 LAST_TOKEN_FULL_ATTENTION_TOKENS = int_from_env("FLORIST_LAST_TOKEN_FULL_ATTENTION_TOKENS", 128)
 
 
-def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel: bool, width: int) -> str:
+def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel: bool, width: int, head_dim: int) -> str:
     """Which kernel "auto" runs, from host values only (one graph bucket always takes one path):
-    "triton" | "sdpa_batched" | "sdpa_single" | "varlen". `short_kernel`: whether the Triton
-    kernel applies to these tensors at all (CUDA, triton importable, a supported layout);
-    `width`: query heads x head_dim."""
+    "triton" | "triton_slots_last" | "sdpa_batched" | "sdpa_single" | "varlen". `short_kernel`:
+    whether the Triton kernel applies to these tensors at all (CUDA, triton importable, a
+    supported layout); `width`: query heads x head_dim."""
     if short_kernel:
         if batch.single_sequence:
-            if num_tokens * batch.max_seqlen * width // (2 if causal else 1) <= SHORT_SINGLE_MAX_WORK:
+            work = num_tokens * batch.max_seqlen * width // (2 if causal else 1)
+            if work <= SHORT_SINGLE_MAX_WORK:
                 return "triton"
+            if causal and head_dim > 64 and work <= SHORT_SINGLE_SLOTS_LAST_MAX_WORK:
+                return "triton_slots_last"
         elif not batch.uniform_seqlen and batch.max_seqlen <= SHORT_RAGGED_MAX_SEQLEN:
             return "triton"
     if batch.uniform_seqlen:
@@ -206,6 +220,8 @@ def _auto_backend() -> AttentionFn:
     - one short sequence with little score work (SHORT_SINGLE_MAX_WORK), or a ragged batch
       (graph buckets included) of sequences up to SHORT_RAGGED_MAX_SEQLEN tokens: the Triton
       kernel, one launch with no memset (a bucket's dummy sequence is attended like any other);
+    - one causal sequence of wide heads with a little more (SHORT_SINGLE_SLOTS_LAST_MAX_WORK,
+      off by default): the same kernel with its grid's slots axis last;
     - sequences all of one length (and no padding): one dense SDPA call;
     - one sequence, with no padding or with causal attention: SDPA over all tokens (causal real
       tokens never see the padding after them);
@@ -215,9 +231,11 @@ def _auto_backend() -> AttentionFn:
     varlen = _varlen_backend()
 
     def attn(q, k, v, batch: RaggedBatch, causal: bool, scale: float) -> torch.Tensor:
-        choice = auto_choice(batch, q.shape[0], causal, short.applies(q, k, v, batch.cu_seqlens), q.shape[1] * q.shape[2])
+        choice = auto_choice(batch, q.shape[0], causal, short.applies(q, k, v, batch.cu_seqlens), q.shape[1] * q.shape[2], q.shape[2])
         if choice == "triton":
             return short.short_attention_triton(q, k, v, batch.cu_seqlens, batch.max_seqlen, causal, scale)
+        if choice == "triton_slots_last":
+            return short.short_attention_triton(q, k, v, batch.cu_seqlens, batch.max_seqlen, causal, scale, seq_last=True)
         if choice == "sdpa_batched":
             return _sdpa_batched(q, k, v, batch.num_seqs, batch.uniform_seqlen, causal, scale)
         if choice == "sdpa_single":
