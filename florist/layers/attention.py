@@ -196,7 +196,7 @@ def auto_choice(batch: RaggedBatch, num_tokens: int, causal: bool, short_kernel:
     """Which kernel "auto" runs, from host values only (one graph bucket always takes one path):
     "triton" | "triton_slots_last" | "sdpa_batched" | "sdpa_single" | "varlen". `short_kernel`:
     whether the Triton kernel applies to these tensors at all (CUDA, triton importable, a
-    supported layout); `width`: query heads x head_dim."""
+    supported layout); `width`: query heads x head_dim; `head_dim`: one head's."""
     if short_kernel:
         if batch.single_sequence:
             work = num_tokens * batch.max_seqlen * width // (2 if causal else 1)
