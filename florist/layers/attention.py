@@ -174,9 +174,9 @@ SHORT_RAGGED_MAX_SEQLEN = int_from_env("FLORIST_SHORT_RAGGED_MAX_SEQLEN", 4096)
 SHORT_SINGLE_MAX_WORK = int_from_env("FLORIST_SHORT_SINGLE_MAX_WORK", 1 << 26)
 # Past that bound, one causal sequence of wide heads (head_dim > 64) may take the kernel with its
 # grid's slots axis last (the real programs first, one an SM) up to this much work. Off (0) by
-# default for now. Both settings of FLORIST_SHORT_SEQ_LAST=1 and a bound of 2^28 - 1 give the same
-# launches at Qwen3-0.6B's 320-448-token buckets (2^28 is its 512, where the kernel only drew level
-# with cuDNN); an H100 ran those steps ahead of cuDNN in 8 of 9 rounds, the rounds' median
+# default for now. FLORIST_SHORT_SEQ_LAST=1 with FLORIST_SHORT_SINGLE_MAX_WORK=2^28 - 1 makes the
+# same launches at Qwen3-0.6B's 320-448-token buckets (2^28 is its 512, where the kernel only drew
+# level with cuDNN); with those an H100 ran those steps ahead of cuDNN in 8 of 9 rounds, the rounds' median
 # differences -0.10 / -0.02 / -0.06 ms at 320 / 384 / 448 tokens ("One causal sequence past 256
 # tokens, the slots last", docs/benchmarks.md). This dispatch has not yet run its GPU tests.
 # Narrow heads (MiniLM lost with the slots last) and bidirectional wide heads (not measured) keep
