@@ -21,6 +21,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def port_number(text: str) -> int:
+    """argparse type of the commands' port flags: a TCP port, 0-65535 (0: any free port). Without
+    it a port past 65535 would reach the socket layer, which binds it modulo 2^16."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535; 0: any free port)")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of `florist encode`."""
     p.add_argument("texts", nargs="*", help="texts to embed; none: read one text per line from stdin")

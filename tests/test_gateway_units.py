@@ -427,3 +427,45 @@ def test_replica_placement_with_tensor_parallelism(monkeypatch):
     assert processes.replica_device("cuda:0,1", {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})[1]["CUDA_VISIBLE_DEVICES"] == "4,5"
     assert processes.replica_device("cuda:1", {}) == ("cuda:1", {})
     assert processes.replica_device("cpu", {}) == ("cpu", {})
+
+
+def test_the_commands_refuse_ports_and_counts_out_of_range(monkeypatch, capsys):
+    """A port past 65535 would be bound modulo 2^16 (99999 -> 34463) and a count of 0 read as "the
+    default": both are refused by name, before any engine starts or model loads."""
+    import florist
+    import florist.gateway.supervisor as supervisor
+    from florist.cli import main
+    from florist.server import cli as engine_cli
+    from florist.server.service import batch_token_budget
+
+    seen = []
+    monkeypatch.setattr(supervisor, "serve", lambda config, **kw: seen.append(config) or 0)
+    for port in ("0", "8000", "65535"):
+        assert main(["serve", "--model", "/m", "--port", port]) == 0 and seen[-1].port == int(port)
+    for bad, says in (("99999", "99999 is not a port (0-65535"), ("-1", "-1 is not a port"), ("80a", "'80a' is not a port number")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--model", "/m", "--port", bad])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
+    seen.clear()
+    for flag in ("--replicas", "--workers", "--max-batch-tokens", "--max-pending-tokens", "--chunk-seqs", "--chunk-tokens", "--tokenization-workers"):
+        assert main(["serve", "--model", "/m", flag, "0"]) == 2, flag
+        assert f"{flag} must be at least 1; got 0" in capsys.readouterr().err
+    assert not seen
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(florist.Engine, "from_pretrained", no_load)
+    for flags, says in ((["--max-batch-tokens", "0"], "--max-batch-tokens must be at least 1; got 0"),
+                        (["--max-batch-seqs", "-3"], "--max-batch-seqs must be at least 1; got -3"),
+                        (["--max-pending-tokens", "0"], "--max-pending-tokens must be at least 1"),
+                        (["--spin-ms", "-1"], "--spin-ms must be 0 or more")):
+        assert engine_cli.main(["--device", "cpu", *flags]) == 2, flags
+        assert says in capsys.readouterr().err
+    for flag in ("--port", "--metrics-port"):
+        with pytest.raises(SystemExit):
+            engine_cli.main(["--device", "cpu", flag, "65536"])
+        assert "65536 is not a port" in capsys.readouterr().err
+    # a budget given is the budget (the scheduler refuses a bad one); none: the largest graph, else 16384
+    assert batch_token_budget(object(), 100) == 100 and batch_token_budget(object(), None) == 16384
+    assert batch_token_budget(type("E", (), {"graph_max_tokens": 4096})(), None) == 4096

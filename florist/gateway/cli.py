@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 
+from florist.cli import port_number
 from florist.gateway.config import GatewayConfig
 
 HELP = "serve a model over HTTP: OpenAI, text-embeddings-inference and Cohere-style APIs (starts the engines too)"
@@ -27,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = GatewayConfig(engines=())
     p.add_argument("--model", default=None, help="model directory (default: all-MiniLM-L6-v2 from its wheel)")
     p.add_argument("--host", default=d.host, help=f"HTTP address to listen on (default {d.host})")
-    p.add_argument("--port", type=int, default=d.port, help=f"HTTP port (default {d.port}; 0: any free port, printed at start)")
+    p.add_argument("--port", type=port_number, default=d.port, help=f"HTTP port (default {d.port}; 0: any free port, printed at start)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--replicas", type=int, default=None, help="engine replicas to start (default: one per GPU, one on CPU)")
     where.add_argument("--engines", default=None, help="use running engine servers instead: host:port,host:port,...")
@@ -86,11 +87,12 @@ def run(args: argparse.Namespace) -> int:
     from florist.gateway.supervisor import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name, value in (("--workers", args.workers), ("--replicas", args.replicas or 1), ("--max-inputs", args.max_inputs), ("--payload-limit", args.payload_limit),
-                        ("--tensor-parallel-size", args.tensor_parallel_size),
-                        ("--tokenization-workers", 1 if args.tokenization_workers is None else args.tokenization_workers)):
-        if value < 1:
-            print(f"florist serve: {name} must be at least 1", file=sys.stderr)
+    for name, value in (("--workers", args.workers), ("--replicas", args.replicas), ("--max-inputs", args.max_inputs), ("--payload-limit", args.payload_limit),
+                        ("--tensor-parallel-size", args.tensor_parallel_size), ("--tokenization-workers", args.tokenization_workers),
+                        ("--max-batch-tokens", args.max_batch_tokens), ("--max-pending-tokens", args.max_pending_tokens),
+                        ("--chunk-seqs", args.chunk_seqs), ("--chunk-tokens", args.chunk_tokens)):
+        if value is not None and value < 1:  # None: not given, the default applies
+            print(f"florist serve: {name} must be at least 1; got {value}", file=sys.stderr)
             return 2
     for name, value in (("--gateway-reply-spin-ms", args.gateway_reply_spin_ms), ("--busy-poll-linger-ms", args.busy_poll_linger_ms),
                         ("--launch-ahead-ms", args.launch_ahead_ms)):

@@ -15,6 +15,8 @@ import logging
 import signal
 import sys
 
+from florist.cli import port_number
+
 HELP = "serve a model to the gateway over gRPC (pre-tokenized requests, batched on the device)"
 
 
@@ -24,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     p.add_argument("--model", default=None, help="model directory (default: all-MiniLM-L6-v2 from its wheel)")
     p.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host})")
-    p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port}; 0: any free port, printed at start)")
+    p.add_argument("--port", type=port_number, default=d.port, help=f"gRPC port (default {d.port}; 0: any free port, printed at start)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--task", default=None, choices=["embed", "score"], help="override the task read from the model directory")
@@ -37,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="token budget of one batch (default: the largest batch the engine replays from a CUDA graph, else 16384)")
     p.add_argument("--max-batch-seqs", type=int, default=d.max_batch_seqs, help=f"sequences in one batch at most (default {d.max_batch_seqs})")
     p.add_argument("--max-pending-tokens", type=int, default=d.max_pending_tokens, help=f"queued tokens beyond which requests get RESOURCE_EXHAUSTED (default {d.max_pending_tokens})")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (default: off)")
+    p.add_argument("--metrics-port", type=port_number, default=None, help="serve Prometheus /metrics on this port (default: off)")
     p.add_argument("--spin-ms", type=float, default=d.spin_ms, help=f"poll a launched batch this long before waiting in a thread (default {d.spin_ms})")
     p.add_argument("--launch-ahead-ms", type=float, default=None, metavar="MS",
                    help="while a batch runs, launch the next one MS before the running one is expected back (from the device times "
@@ -80,6 +82,12 @@ def run(args: argparse.Namespace) -> int:
     if tp > 1 and args.device and ":" in args.device:
         raise ValueError(f"--tensor-parallel-size {tp} places its ranks on cuda:0..{tp - 1} of the visible GPUs; pick them with "
                          f"CUDA_VISIBLE_DEVICES and --device cuda, not --device {args.device}")
+    for name, value in (("--max-batch-tokens", args.max_batch_tokens), ("--max-batch-seqs", args.max_batch_seqs),
+                        ("--max-pending-tokens", args.max_pending_tokens)):
+        if value is not None and value < 1:  # None: not given, the default applies
+            raise ValueError(f"{name} must be at least 1; got {value}")
+    if not args.spin_ms >= 0:
+        raise ValueError(f"--spin-ms must be 0 or more; got {args.spin_ms}")
     if args.busy_poll_linger_ms is not None and not args.busy_poll_linger_ms >= 0:
         raise ValueError(f"--busy-poll-linger-ms must be 0 or more; got {args.busy_poll_linger_ms}")
     if args.launch_ahead_ms is not None and not args.launch_ahead_ms >= 0:

@@ -243,7 +243,9 @@ def _hostport(host: str, port: int) -> str:
 def batch_token_budget(engine, max_batch_tokens: int | None) -> int:
     """A batch's token budget: the one given, else the largest batch the engine replays from a
     CUDA graph, else 16384."""
-    return max_batch_tokens or getattr(engine, "graph_max_tokens", None) or 16384
+    if max_batch_tokens is not None:
+        return max_batch_tokens
+    return getattr(engine, "graph_max_tokens", None) or 16384
 
 
 # While a batch runs on a GPU, the next one is launched this long before the running one is due
