@@ -233,6 +233,25 @@ def test_cli_summary_and_exit_codes(tmp_path, bert_dir, capsys):
     assert "already complete" in capsys.readouterr().err
 
 
+def test_counts_below_one_are_refused_before_a_model_loads(tmp_path, bert_dir, monkeypatch, capsys):
+    """--batch-tokens 0 once ran one sequence a batch, silently; every count is now checked first."""
+    import florist
+
+    path = _write(tmp_path / "in.txt", "txt", _texts(4))
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(florist.Engine, "from_pretrained", no_load)
+    for flags in (["--batch-tokens", "0"], ["--part-rows", "0"], ["--ray", "--num-replicas", "0"]):
+        assert cli_main(["embed", str(path), "-o", str(tmp_path / "out"), "--model", str(bert_dir), "--device", "cpu", *flags]) == 2, flags
+        assert f"florist embed: {flags[-2]} must be at least 1; got 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    monkeypatch.undo()
+    with pytest.raises(InputError, match="max_batch_tokens must be at least 1; got 0"):
+        florist.Engine.from_pretrained(bert_dir, device="cpu", max_batch_tokens=0)
+
+
 def test_mismatched_resume_is_refused(tmp_path, tiny_engine):
     path = _write(tmp_path / "in.txt", "txt", _texts(10))
     cfg = JobConfig(str(path), str(tmp_path / "out"), part_rows=4)

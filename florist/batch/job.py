@@ -165,6 +165,9 @@ def run_job(cfg: JobConfig, *, engine=None, progress: str = "auto", log=print) -
     messages go (resuming, skipped records)."""
     if cfg.on_error not in ("skip", "fail"):
         raise InputError(f"--on-error must be skip or fail, got {cfg.on_error!r}")
+    for name, value in (("--part-rows", cfg.part_rows), ("--batch-tokens", cfg.batch_tokens), ("--num-replicas", cfg.num_replicas)):
+        if value is not None and value < 1:  # checked before a model loads or a Ray cluster is joined
+            raise InputError(f"{name} must be at least 1; got {value}")
     spec = InputSpec(str(Path(cfg.input).resolve()), detect_format(cfg.input, cfg.format), cfg.text_field, cfg.id_field, cfg.id_field_given)
     if not Path(spec.path).is_file():
         raise InputError(f"input {cfg.input} does not exist or is not a file")

@@ -95,6 +95,7 @@ class Engine:
     """Tokenize, batch by length, run on the device, restore order, finish on the host."""
 
     def __init__(self, model_dir: ModelDir, runner: ModelRunner, max_batch_tokens: int = 16384):
+        _check_batch_tokens(max_batch_tokens)
         self.model_dir, self.runner = model_dir, runner
         self.text = TextProcessor(str(model_dir.tokenizer_file), model_dir.config, model_dir.pipeline)
         self.max_batch_tokens = max_batch_tokens
@@ -124,6 +125,7 @@ class Engine:
 
         A causal LM (task "generate") is served by the generation engine: `generation` sets its
         KV-cache slots and lengths, `tensor_parallel_size` > 1 starts that many processes."""
+        _check_batch_tokens(max_batch_tokens)  # before the model loads
         md = read_model_dir(path, task)
         dev = resolve_device(device)
         if md.pipeline.task == "generate":
@@ -247,6 +249,11 @@ class Engine:
         if self.info.task != task:
             what = {"embed": "an embedding model", "score": "a cross-encoder or reranker", "generate": "a causal LM (Qwen3ForCausalLM)"}[task]
             raise InputError(f"{task} needs {what}; {self.info.model_name} is loaded for {self.info.task}")
+
+
+def _check_batch_tokens(max_batch_tokens: int) -> None:
+    if max_batch_tokens < 1:  # 0 would batch one sequence at a time, silently
+        raise InputError(f"max_batch_tokens must be at least 1; got {max_batch_tokens}")
 
 
 def _as_list(x):
