@@ -241,6 +241,28 @@ def test_a_replica_serving_another_model_is_refused():
         run(go())
 
 
+def test_start_reports_what_it_meets_while_no_replica_answers(monkeypatch, caplog):
+    """A gateway started before its engines (or pointed at a wrong address) says every
+    wait_report_s why it still waits, then gives up at the timeout naming each replica's error."""
+    monkeypatch.setattr(Balancer, "wait_report_s", 0.3)
+
+    async def go():
+        FakeClient.behaviour = {("health", "a"): True}
+        balancer = Balancer(["a"], client_factory=FakeClient)
+        try:
+            await balancer.start(timeout_s=1.1)
+        finally:
+            await balancer.close()
+
+    with caplog.at_level("INFO", logger="florist.gateway.balancer"):
+        with pytest.raises(ConnectionError, match=r"no engine replica answered within 1 s \(a: UNAVAILABLE: connection refused\)"):
+            run(go())
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0] == "waiting up to 1 s for an engine replica at a"
+    reports = [m for m in messages if m.startswith("still no engine replica")]
+    assert 2 <= len(reports) <= 4 and all(m.endswith("s left (a: UNAVAILABLE: connection refused)") for m in reports), messages
+
+
 def test_error_bodies_per_family():
     e = ApiError(429, "slow down", retry_after_s=1)
     assert error_body("openai", e) == {"error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": "overloaded"}}
@@ -450,7 +472,11 @@ def test_the_commands_refuse_ports_and_counts_out_of_range(monkeypatch, capsys):
     for flag in ("--replicas", "--workers", "--max-batch-tokens", "--max-pending-tokens", "--chunk-seqs", "--chunk-tokens", "--tokenization-workers"):
         assert main(["serve", "--model", "/m", flag, "0"]) == 2, flag
         assert f"{flag} must be at least 1; got 0" in capsys.readouterr().err
+    assert main(["serve", "--engines", "127.0.0.1:50051,enginehost"]) == 2
+    assert "--engines takes host:port addresses (or gRPC targets such as unix:PATH); got enginehost" in capsys.readouterr().err
     assert not seen
+    assert main(["serve", "--engines", "127.0.0.1:50051, [::1]:7000,unix:/tmp/e.sock"]) == 0
+    assert seen[-1].engines == ("127.0.0.1:50051", "[::1]:7000", "unix:/tmp/e.sock")
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the flags were checked")

@@ -47,6 +47,8 @@ class Replica:
 
 
 class Balancer:
+    wait_report_s = 15.0  # while start() waits for a first replica, how often it logs what it meets
+
     def __init__(self, addresses: Iterable[str], *, interval_s: float = 1.0, probe_timeout_s: float = 5.0, close_grace_s: float = 60.0,
                  client_factory: Callable[[str], InferenceClient] = InferenceClient, on_change: Callable[[Replica], None] | None = None):
         self.replicas = [Replica(a, client_factory) for a in addresses]
@@ -88,6 +90,7 @@ class Balancer:
     async def start(self, timeout_s: float):
         """Probe until one replica is up (-> its Info); refuse replicas serving another model."""
         deadline = time.monotonic() + timeout_s
+        next_report = time.monotonic() + self.wait_report_s
         for attempt in itertools.count():
             await asyncio.gather(*(self.probe(r) for r in self.replicas))
             bad = [r for r in self.replicas if r.incompatible]
@@ -95,11 +98,15 @@ class Balancer:
                 raise ValueError("; ".join(r.incompatible for r in bad))
             if self.healthy_count:
                 break
-            if time.monotonic() > deadline:
-                errors = "; ".join(f"{r.address}: {r.last_error}" for r in self.replicas)
+            now = time.monotonic()
+            errors = "; ".join(f"{r.address}: {r.last_error}" for r in self.replicas)
+            if now > deadline:
                 raise ConnectionError(f"no engine replica answered within {timeout_s:.0f} s ({errors}); start one with `florist engine-server`")
             if attempt == 0:
                 log.info("waiting up to %.0f s for an engine replica at %s", timeout_s, ", ".join(r.address for r in self.replicas))
+            elif now >= next_report:  # what the wait meets, while it lasts
+                log.info("still no engine replica, %.0f s left (%s)", deadline - now, errors)
+                next_report = now + self.wait_report_s
             await asyncio.sleep(0.2)
         self._task = asyncio.get_running_loop().create_task(self._loop())
         return self.info

@@ -105,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"florist serve: --in-process {problem}", file=sys.stderr)
             return 2
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip()) if args.engines else ()
+    unaddressed = [e for e in engines if ":" not in e]  # gRPC would read "host" as host:443 and wait for it
+    if unaddressed:
+        print(f"florist serve: --engines takes host:port addresses (or gRPC targets such as unix:PATH); got {', '.join(unaddressed)}", file=sys.stderr)
+        return 2
     # --in-process: one event loop serves HTTP and the engine, so either busy poll turns it.
     busy_poll = args.gateway_busy_poll or (args.in_process and args.busy_poll)
     config = GatewayConfig(
