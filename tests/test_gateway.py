@@ -33,7 +33,7 @@ def gateways(cross_encoder_dir):
     procs = {
         "embed": FloristProcess("serve", "--port", "0", "--device", "cpu", "--replicas", "2", "--workers", "2", "--api-key", KEY,
                                 "--payload-limit", str(1 << 20), "--max-inputs", "64", "--chunk-seqs", "8"),
-        "score": FloristProcess("serve", "--port", "0", "--device", "cpu", "--model", str(cross_encoder_dir)),
+        "score": FloristProcess("serve", "--port", "0", "--device", "cpu", "--model", str(cross_encoder_dir), "--access-log"),
     }
     PROCS.update(procs)
     try:
@@ -300,3 +300,16 @@ def test_the_gateway_reaches_its_engines_over_their_local_sockets(gateways, defa
     assert len(sockets) == 2, out[-3000:]  # one per engine replica
     used = set(re.findall(r"Embed, Score and Generate over its local socket (\S+\.sock)", out))
     assert used and used <= sockets, out[-3000:]
+
+
+def test_access_log_is_a_line_per_request_where_asked(gateways):
+    """--access-log (the score gateway): client, request line, status, bytes and seconds on the
+    florist.access logger; the embed gateway, started without it, logs no request."""
+    status, _, body = call(gateways["score"], "/v1/score", {"text_1": "access-log-probe", "text_2": ["a"]})
+    assert status == 200
+    assert call(gateways["score"], "/no-such-route-for-the-log")[0] == 404
+    assert call(gateways["embed"], "/embed", {"inputs": "x"}, headers=AUTH)[0] == 200
+    line = r'INFO florist\.access: 127\.0\.0\.1 "{} HTTP/1\.1" {} \d+ bytes \d+\.\d+ s'
+    PROCS["score"].wait_for(line.format("POST /v1/score", 200), timeout_s=10)
+    PROCS["score"].wait_for(line.format("GET /no-such-route-for-the-log", 404), timeout_s=10)
+    assert "florist.access" not in PROCS["embed"].output()

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "requests arriving meanwhile join it (engine default: 0.8 on GPUs; inf: launch at once)")
     p.add_argument("--busy-poll", action="store_true",
                    help="engine servers keep their event loop spinning while idle: lower batch-1 latency for one CPU core per replica kept busy (GPU engines)")
+    p.add_argument("--access-log", action="store_true",
+                   help="log one line per HTTP request (client, request line, status, response bytes, seconds) on the florist.access "
+                        "logger, to stderr (default: off, as it adds Python work to every request)")
     p.add_argument("--gateway-busy-poll", action="store_true",
                    help="gateway workers keep their event loop turning while no request is in flight, and a lone request polls for its "
                         "engine's reply over the local socket rather than sleeping (batch-1 latency, for a CPU core per worker)")
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         payload_limit_bytes=args.payload_limit, max_inputs=args.max_inputs, chunk_seqs=args.chunk_seqs, chunk_tokens=args.chunk_tokens,
         tokenization_workers=args.tokenization_workers or tokenization_threads(args.workers), reuse_port=args.workers > 1,
         local_socket=not args.no_local_socket, busy_poll=busy_poll, reply_spin_ms=args.gateway_reply_spin_ms,
-        busy_poll_linger_ms=args.busy_poll_linger_ms,
+        busy_poll_linger_ms=args.busy_poll_linger_ms, access_log=args.access_log,
     )
     passed = (("--model", args.model), ("--dtype", args.dtype), ("--task", args.task), ("--attention-backend", args.attention_backend), ("--max-batch-tokens", args.max_batch_tokens), ("--max-pending-tokens", args.max_pending_tokens),
               ("--tensor-parallel-size", args.tensor_parallel_size if args.tensor_parallel_size > 1 else None), ("--busy-poll-linger-ms", args.busy_poll_linger_ms),

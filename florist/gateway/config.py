@@ -36,6 +36,9 @@ class GatewayConfig:
     # socket for up to this long (florist/server/local.py) rather than sleeping until it lands; it
     # costs CPU only while that request waits. None: 5 ms with busy_poll, else 0 (off).
     reply_spin_ms: float | None = None
+    # One log line per HTTP request on the "florist.access" logger (client, request line, status,
+    # response bytes, seconds). Off by default: batch-1 latency is what the gateway is tuned for.
+    access_log: bool = False
 
     @property
     def reply_spin(self) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import signal
 from collections.abc import Callable
 
@@ -28,6 +29,10 @@ from florist.gateway.tokenization import Tokenization, load_text_processor
 from florist.gcfreeze import freeze_startup_objects
 from florist.loop_thread import LoopThread
 from florist.server.client import InferenceClient
+
+
+# aiohttp's access log fields: client address, request line, status, response bytes, seconds taken.
+ACCESS_LOG_FORMAT = '%a "%r" %s %b bytes %Tf s'
 
 
 class RunningGateway:
@@ -67,7 +72,8 @@ async def start_gateway(config: GatewayConfig, client_factory: Callable[[str], I
     )
     dispatcher = Dispatcher(balancer, limits, timeout_s=config.request_timeout_s, retry_after_s=config.retry_after_s, metrics=metrics)
     pipeline = Pipeline(info, Tokenization(processor, config.tokenization_workers, inline_chars=config.inline_tokenize_chars), dispatcher, config, metrics)
-    runner = web.AppRunner(make_app(pipeline), access_log=None, handler_cancellation=True)
+    access = dict(access_log=logging.getLogger("florist.access"), access_log_format=ACCESS_LOG_FORMAT) if config.access_log else dict(access_log=None)
+    runner = web.AppRunner(make_app(pipeline), handler_cancellation=True, **access)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port or None, backlog=2048)
     try:
