@@ -144,6 +144,28 @@ def test_cli_encode(capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_devices_florist_does_not_run_on_are_refused_by_name(monkeypatch, capsys):
+    """A device string torch rejects, or one it knows but florist does not run on, or a GPU index
+    past those visible: a ValueError that says what florist takes, not torch's list of backends."""
+    import torch
+
+    from florist.cli import main
+    from florist.engine.runner import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    for device, says in (("tpu", "unknown device 'tpu'; florist runs on cpu, cuda or cuda:N"),
+                         ("meta", "device meta is not supported; florist runs on cpu, cuda or cuda:N")):
+        with pytest.raises(ValueError, match=says):
+            resolve_device(device)
+    assert main(["encode", "x", "--device", "tpu"]) == 2
+    assert "unknown device 'tpu'" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda:1") and resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(ValueError, match=r"cuda:2 was asked for but 2 CUDA device\(s\) are visible"):
+        resolve_device("cuda:2")
+
+
 def test_every_cli_option_has_help():
     """`florist <command> --help` explains every option and argument of every command."""
     import argparse

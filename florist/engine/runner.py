@@ -26,9 +26,16 @@ _DENSE_MAP = WeightMap(default_prefix="")
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:  # torch's message lists every device type it knows, not the ones florist runs on
+        raise ValueError(f"unknown device {device!r}; florist runs on cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device} is not supported; florist runs on cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} was asked for but CUDA is not available; use device='cpu'")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device} was asked for but {torch.cuda.device_count()} CUDA device(s) are visible (cuda:0..)")
     return device
 
 
